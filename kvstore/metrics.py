@@ -1,0 +1,106 @@
+"""Prometheus metrics of the data path, named in vLLM's style (`kvstore:` prefix, per-tier labels).
+
+Tiers: `nvme` (the node's cache), `object` (the local region's store), `memory` (chunks still waiting for
+upload, served from the write-behind queue). Metrics live in a registry chosen by the caller, so a test or
+a second engine in one process can have its own; `snapshot()` reads them back as plain numbers, which is what
+the vLLM tier forwards through vLLM's metric hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+TIERS = ("nvme", "object", "memory")
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class EngineMetrics:
+    """The counters, histograms and gauges of one `TieredStore` (or several sharing a registry)."""
+
+    _by_registry: dict[int, EngineMetrics] = {}  # noqa: RUF012 - one set of metric objects per registry
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.queries = Counter("kvstore:chunk_queries", "Chunk lookups answered by a tier", ["tier"],
+                               registry=registry)
+        self.hits = Counter("kvstore:chunk_hits", "Chunk lookups that found the chunk in a tier", ["tier"],
+                            registry=registry)
+        self.read_bytes = Counter("kvstore:read_bytes", "Chunk bytes loaded from a tier", ["tier"],
+                                  registry=registry)
+        self.write_bytes = Counter("kvstore:write_bytes", "Chunk bytes written to a tier", ["tier"],
+                                   registry=registry)
+        self.read_seconds = Histogram("kvstore:read_seconds", "Latency of one chunk load", ["tier"],
+                                      buckets=_LATENCY_BUCKETS, registry=registry)
+        self.write_seconds = Histogram("kvstore:write_seconds", "Latency of one chunk write", ["tier"],
+                                       buckets=_LATENCY_BUCKETS, registry=registry)
+        self.load_failures = Counter("kvstore:load_failures", "Chunk loads that found nothing usable",
+                                     ["tier"], registry=registry)
+        self.checksum_failures = Counter("kvstore:checksum_failures",
+                                         "Chunks rejected because their bytes failed verification", ["tier"],
+                                         registry=registry)
+        self.stores_dropped = Counter("kvstore:stores_dropped",
+                                      "Chunk uploads dropped instead of queued without bound", ["reason"],
+                                      registry=registry)
+        self.store_errors = Counter("kvstore:object_store_errors", "Object store operations that failed",
+                                    ["op"], registry=registry)
+        self.evictions = Counter("kvstore:nvme_evictions", "Chunks evicted from the NVMe cache",
+                                 registry=registry)
+        self.upload_queue_bytes = Gauge("kvstore:upload_queue_bytes", "Bytes waiting for write-behind upload",
+                                        registry=registry)
+        self.nvme_used_bytes = Gauge("kvstore:nvme_used_bytes", "Bytes held by the NVMe cache",
+                                     registry=registry)
+        self.nvme_budget_bytes = Gauge("kvstore:nvme_budget_bytes", "Byte budget of the NVMe cache",
+                                       registry=registry)
+        self.object_store_up = Gauge("kvstore:object_store_up", "1 while the object store answers, else 0",
+                                     registry=registry)
+        self.object_store_up.set(1)
+
+    @classmethod
+    def for_registry(cls, registry: CollectorRegistry | None = None) -> EngineMetrics:
+        registry = registry if registry is not None else REGISTRY
+        found = cls._by_registry.get(id(registry))
+        if found is None:
+            found = cls._by_registry[id(registry)] = cls(registry)
+        return found
+
+    def track_nvme_usage(self, usage: Callable[[], tuple[int, int]]) -> None:
+        """Read NVMe usage lazily at scrape time (it is shared by every process on the node)."""
+        self.nvme_used_bytes.set_function(lambda: float(usage()[0]))
+        self.nvme_budget_bytes.set_function(lambda: float(usage()[1]))
+
+    def snapshot(self) -> MetricsSnapshot:
+        def value(name: str, **labels: str) -> float:
+            return self.registry.get_sample_value(name, labels) or 0.0
+
+        per_tier = {
+            tier: TierFigures(
+                queries=value("kvstore:chunk_queries_total", tier=tier),
+                hits=value("kvstore:chunk_hits_total", tier=tier),
+                read_bytes=value("kvstore:read_bytes_total", tier=tier),
+                write_bytes=value("kvstore:write_bytes_total", tier=tier),
+                checksum_failures=value("kvstore:checksum_failures_total", tier=tier),
+            )
+            for tier in TIERS
+        }
+        dropped = sum(
+            value("kvstore:stores_dropped_total", reason=r) for r in ("queue_full", "store_down", "error")
+        )
+        return MetricsSnapshot(per_tier=per_tier, stores_dropped=dropped)
+
+
+@dataclass(frozen=True)
+class TierFigures:
+    queries: float
+    hits: float
+    read_bytes: float
+    write_bytes: float
+    checksum_failures: float
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    per_tier: dict[str, TierFigures]
+    stores_dropped: float
