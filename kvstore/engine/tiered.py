@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from enum import Enum
 
 from kvstore.cache import NVMeCache
-from kvstore.chunk import HEADER_SIZE, Codec, checksum, decode, decode_into, encode, parse_header
+from kvstore.chunk import HEADER_SIZE, Codec, decode, decode_into, encode, parse_header, read_verified
 from kvstore.engine.probes import ProbeCache
 from kvstore.engine.uploads import UploadQueue
-from kvstore.errors import ChecksumMismatch, ChunkError, ChunkFormatError, ConfigError, StoreError
+from kvstore.errors import ChunkError, ChunkFormatError, ConfigError, KVStoreError, StoreError
 from kvstore.metrics import EngineMetrics
 from kvstore.stores import ObjectStore
 
@@ -108,6 +108,7 @@ class TieredStore:
         self._admission_budget = admission_queue_bytes
         self._admitting: set[str] = set()
         self._uploads = UploadQueue(upload_queue_bytes)
+        self._io_workers = io_workers
         self._io = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="kvstore-io")
         self._stopping = threading.Event()
         self._upload_threads = [
@@ -121,9 +122,10 @@ class TieredStore:
 
     # ---------------------------------------------------------------- lookup
 
-    def lookup(self, keys: Sequence[str], *, wait: bool = True) -> list[Presence]:
+    def lookup(self, keys: Sequence[str], *, wait: bool = True, probe: bool = True) -> list[Presence]:
         """Where each chunk can be loaded from. With `wait=False` unknown keys come back PENDING while a
-        batched existence probe runs in the background; call again to get the answer."""
+        batched existence probe runs in the background (`probe=False`: the caller batches them itself
+        through `probe_async`); call again to get the answer."""
         local = self.cache.contains_many(keys) if self.cache is not None else [False] * len(keys)
         out: list[Presence] = []
         unknown: list[int] = []
@@ -143,8 +145,8 @@ class TieredStore:
             if wait:
                 for i, present in zip(unknown, self._probe(batch), strict=True):
                     out[i] = Presence.REMOTE if present else Presence.MISS
-            else:
-                self._probe_in_background(batch)
+            elif probe:
+                self.probe_async(batch)
         self._count_lookup(out)
         return out
 
@@ -163,7 +165,7 @@ class TieredStore:
             self.metrics.queries.labels("object").inc(remote + missed)
             self.metrics.hits.labels("object").inc(remote)
 
-    def _probe(self, keys: list[str]) -> list[bool]:
+    def _probe(self, keys: Sequence[str]) -> list[bool]:
         assert self.store is not None
         try:
             found = self.store.exists_many(keys)
@@ -174,7 +176,10 @@ class TieredStore:
             self._probes.set(key, present)
         return found
 
-    def _probe_in_background(self, keys: list[str]) -> None:
+    def probe_async(self, keys: Sequence[str]) -> None:
+        """Ask the object store about `keys` in one background batch; answers land in the probe cache."""
+        if self.store is None or not keys:
+            return
         with self._lock:
             fresh = [k for k in keys if k not in self._probing]
             if not fresh or len(self._probing) + len(fresh) > _MAX_PENDING_PROBES:
@@ -197,8 +202,17 @@ class TieredStore:
         Buffers whose entry is False may hold garbage and must not be used."""
         if len(items) <= 1:
             return [self._load_one(key, dest) for key, dest in items]
-        futures = [self._io.submit(self._load_one, key, dest) for key, dest in items]
-        return [f.result() for f in futures]
+        # One task per worker over a stride of the batch: parallel I/O without a future per chunk.
+        stride = min(self._io_workers, len(items))
+
+        def run(first: int) -> list[bool]:
+            return [self._load_one(key, dest) for key, dest in items[first::stride]]
+
+        parts = [f.result() for f in [self._io.submit(run, i) for i in range(stride)]]
+        out = [False] * len(items)
+        for first, part in enumerate(parts):
+            out[first::stride] = part
+        return out
 
     def get(self, key: str) -> bytes | None:
         """A chunk's raw bytes (verified), or None. For tools; the vLLM path uses `load_into`."""
@@ -242,13 +256,13 @@ class TieredStore:
                     out = dest.cast("B") if dest.ndim != 1 or dest.format != "B" else dest
                     if len(out) != header.raw_length:
                         raise ChunkFormatError("chunk size differs from the destination slot")
-                    _read_exactly(f, out)
-                    if checksum(out) != header.checksum:
-                        raise ChecksumMismatch("NVMe copy failed verification")
+                    read_verified(f, out, header.checksum)
                 else:
                     decode_into(head + f.read(), dest)
         except FileNotFoundError:
-            return False  # evicted by another process between the index read and the open
+            # Evicted by another process after our index read, or lost: forget it if it is still indexed.
+            self.cache.forget(key, located.path)
+            return False
         except ChunkError as exc:
             self._reject_nvme(key, exc)
             return False
@@ -353,7 +367,7 @@ class TieredStore:
         start = time.perf_counter()
         try:
             admitted = self.cache.put(key, blob)
-        except (OSError, ChunkError) as exc:
+        except (OSError, KVStoreError) as exc:
             log.warning("NVMe write of %s failed: %s", key, exc)
             self.metrics.load_failures.labels("nvme").inc()
             return False
@@ -427,6 +441,10 @@ class TieredStore:
             self.cache.touch(keys)
 
     @property
+    def probes_in_flight(self) -> int:
+        return len(self._probing)
+
+    @property
     def upload_queue_bytes(self) -> int:
         return self._uploads.queued_bytes
 
@@ -446,16 +464,6 @@ class TieredStore:
         if not_uploaded:
             log.warning("%d chunks were not uploaded before shutdown", len(not_uploaded))
         return ShutdownReport(not_uploaded=not_uploaded)
-
-
-def _read_exactly(f: object, out: memoryview) -> None:
-    readinto = f.readinto  # type: ignore[attr-defined]
-    done = 0
-    while done < len(out):
-        n = readinto(out[done:])
-        if not n:
-            raise ChunkFormatError("truncated chunk file")
-        done += n
 
 
 def _usage_pair(cache: NVMeCache) -> tuple[int, int]:

@@ -1,0 +1,18 @@
+"""Object stores: one small contract (`ObjectStore`) and its backends, opened directly or from a URL."""
+
+from kvstore.stores.base import Data, ObjectInfo, ObjectStore
+from kvstore.stores.local import LocalStore
+from kvstore.stores.memory import MemoryStore
+from kvstore.stores.s3 import S3Options, S3Store
+from kvstore.stores.url import open_store
+
+__all__ = [
+    "Data",
+    "LocalStore",
+    "MemoryStore",
+    "ObjectInfo",
+    "ObjectStore",
+    "S3Options",
+    "S3Store",
+    "open_store",
+]

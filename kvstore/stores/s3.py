@@ -1,0 +1,395 @@
+"""An S3 store over the MinIO SDK, with bounded timeouts and retries and errors translated at this edge.
+
+Every request goes through one urllib3 pool with short connect/read timeouts and a bounded retry budget
+(connection errors and 5xx), so an unreachable endpoint becomes `StoreUnavailable` within seconds instead of
+the SDK's five-minute default. Create-only writes send `If-None-Match: *` through the SDK's lower-level
+request path, because minio-py's public `put_object` turns extra headers into user metadata.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import NoReturn, TypeVar
+from urllib.parse import urlsplit
+
+import urllib3
+from minio import Minio
+from minio.deleteobjects import DeleteObject
+from minio.error import InvalidResponseError, MinioException, S3Error, ServerError
+from minio.helpers import check_bucket_name
+from typing_extensions import override
+
+from kvstore.errors import BucketNotFound, ConfigError, StoreAuthError, StoreError, StoreUnavailable
+from kvstore.stores.base import Data, ObjectInfo, ObjectStore, as_bytes_view, check_range, validate_key
+
+__all__ = ["S3Options", "S3Store"]
+
+_T = TypeVar("_T")
+
+_AUTH_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "AllAccessDisabled",
+    }
+)
+_MISSING_KEY_CODES = frozenset({"NoSuchKey", "NoSuchObject", "ResourceNotFound"})
+_DEFAULT_REGION = "us-east-1"
+_AWS_ENDPOINT = "https://s3.amazonaws.com"
+
+
+@dataclass(frozen=True, slots=True)
+class S3Options:
+    """Network behaviour of an `S3Store`. The defaults fail an unreachable endpoint in a few seconds."""
+
+    connect_timeout: float = 2.0
+    read_timeout: float = 20.0
+    # Total retries per request (connection errors, read errors, 5xx); backoff 0, 0.2, 0.4, ... s.
+    retries: int = 3
+    backoff: float = 0.2
+    backoff_max: float = 1.0
+    # Threads for `exists_many`; the connection pool is sized to match so parallel requests never queue.
+    workers: int = 16
+
+    def __post_init__(self) -> None:
+        if self.connect_timeout <= 0 or self.read_timeout <= 0:
+            raise ConfigError("S3 timeouts must be > 0")
+        if self.retries < 0 or self.workers < 1:
+            raise ConfigError("S3 retries must be >= 0 and workers >= 1")
+
+
+def _parse_endpoint(endpoint: str | None, secure: bool | None) -> tuple[str, bool, str]:
+    """Split an endpoint into (host[:port], secure, display URL). A scheme decides `secure` when given."""
+    raw = endpoint or _AWS_ENDPOINT
+    if "://" in raw:
+        parts = urlsplit(raw)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"S3 endpoint {raw!r} must look like http(s)://host[:port]")
+        if parts.path not in ("", "/") or parts.query or parts.username or parts.password:
+            raise ConfigError(f"S3 endpoint {raw!r} must not carry a path, query or credentials")
+        is_secure = parts.scheme == "https"
+        if secure is not None and secure != is_secure:
+            raise ConfigError(f"S3 endpoint {raw!r} contradicts secure={secure}")
+        host = parts.netloc
+    else:
+        host, is_secure = raw.rstrip("/"), True if secure is None else secure
+        if not host or "/" in host:
+            raise ConfigError(f"S3 endpoint {raw!r} must be host[:port] or http(s)://host[:port]")
+    return host, is_secure, f"{'https' if is_secure else 'http'}://{host}"
+
+
+class S3Store(ObjectStore):
+    """Objects in `bucket` under `prefix`, reached through one shared, bounded connection pool.
+
+    Credentials come from the arguments, else from `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY` and
+    `AWS_SESSION_TOKEN`; the region from the argument, `AWS_REGION` or `AWS_DEFAULT_REGION`. They are never
+    logged, shown in `repr` or in `url`.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint: str | None = None,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        session_token: str | None = None,
+        region: str | None = None,
+        secure: bool | None = None,
+        options: S3Options | None = None,
+    ) -> None:
+        try:
+            check_bucket_name(bucket, strict=True)
+        except ValueError as exc:
+            raise ConfigError(
+                f"S3 bucket name {bucket!r} is invalid (3-63 lowercase letters, digits, '.', '-')"
+            ) from exc
+        self._bucket = bucket
+        self._prefix = prefix.strip("/")
+        if self._prefix:
+            validate_key(self._prefix)
+        host, is_secure, self._endpoint = _parse_endpoint(endpoint, secure)
+        self._options = options or S3Options()
+        env = os.environ
+        access_key = access_key if access_key is not None else env.get("AWS_ACCESS_KEY_ID")
+        secret_key = secret_key if secret_key is not None else env.get("AWS_SECRET_ACCESS_KEY")
+        session_token = session_token if session_token is not None else env.get("AWS_SESSION_TOKEN")
+        if bool(access_key) != bool(secret_key):
+            raise ConfigError("S3 credentials need both an access key and a secret key")
+        # A fixed region spares the SDK a GetBucketLocation round trip before the first request.
+        self._region = region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or _DEFAULT_REGION
+        opts = self._options
+        self._http = urllib3.PoolManager(
+            timeout=urllib3.Timeout(connect=opts.connect_timeout, read=opts.read_timeout),
+            maxsize=opts.workers + 4,
+            block=False,
+            retries=urllib3.Retry(
+                total=opts.retries,
+                backoff_factor=opts.backoff,
+                backoff_max=opts.backoff_max,
+                status_forcelist=(500, 502, 503, 504),
+                allowed_methods=None,  # every S3 call we make is idempotent (create-only PUT included)
+                raise_on_status=False,  # hand the final 5xx to the SDK, which parses the S3 error body
+                respect_retry_after_header=False,  # a server must not stretch our bounded budget
+            ),
+        )
+        try:
+            self._client = Minio(
+                host,
+                access_key=access_key or None,
+                secret_key=secret_key or None,
+                session_token=session_token or None,
+                secure=is_secure,
+                region=self._region,
+                http_client=self._http,
+            )
+        except ValueError as exc:
+            raise ConfigError(f"S3 endpoint {self._endpoint!r}: {exc}") from exc
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    # -- identity --
+
+    @property
+    @override
+    def url(self) -> str:
+        return f"s3://{self._bucket}/{self._prefix}" if self._prefix else f"s3://{self._bucket}"
+
+    @property
+    def bucket(self) -> str:
+        return self._bucket
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    @override
+    def __repr__(self) -> str:
+        return f"S3Store({self.url!r}, endpoint={self._endpoint!r}, region={self._region!r})"
+
+    def _name(self, key: str) -> str:
+        validate_key(key)
+        return f"{self._prefix}/{key}" if self._prefix else key
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._options.workers, thread_name_prefix="kvstore-s3")
+            return self._pool
+
+    # -- error translation --
+
+    def _raise(self, exc: BaseException, what: str) -> NoReturn:
+        """Translate an SDK or transport exception into the library's error tree."""
+        where = f"{what} ({self.url} at {self._endpoint})"
+        if isinstance(exc, S3Error):
+            if exc.code == "NoSuchBucket":
+                raise BucketNotFound(f"bucket {self._bucket!r} does not exist at {self._endpoint}") from exc
+            if exc.code in _AUTH_CODES:
+                raise StoreAuthError(f"{where}: access denied ({exc.code}); check the credentials") from exc
+            status = exc.response.status if exc.response is not None else 0
+            if status >= 500 or exc.code in ("SlowDown", "ServiceUnavailable", "InternalError"):
+                raise StoreUnavailable(f"{where}: server error {exc.code}") from exc
+            raise StoreError(f"{where}: {exc.code}: {exc.message}") from exc
+        if isinstance(exc, ServerError):
+            if exc.status_code >= 500:
+                raise StoreUnavailable(f"{where}: HTTP {exc.status_code} after retries") from exc
+            raise StoreError(f"{where}: HTTP {exc.status_code}") from exc
+        if isinstance(exc, InvalidResponseError):
+            raise StoreUnavailable(f"{where}: unexpected non-S3 response: {exc}") from exc
+        if isinstance(exc, urllib3.exceptions.HTTPError | OSError):
+            raise StoreUnavailable(f"{where}: cannot reach {self._endpoint}: {type(exc).__name__}") from exc
+        if isinstance(exc, MinioException):
+            raise StoreError(f"{where}: {exc}") from exc
+        raise exc
+
+    def _call(self, what: str, fn: Callable[[], _T]) -> _T:
+        try:
+            return fn()
+        except (MinioException, urllib3.exceptions.HTTPError, OSError) as exc:
+            self._raise(exc, what)
+
+    # -- reads --
+
+    def _read(self, name: str, what: str, offset: int = 0, length: int = 0) -> bytes | None:
+        try:
+            response = self._client.get_object(self._bucket, name, offset=offset, length=length)
+            try:
+                return response.read()
+            finally:
+                response.close()
+                response.release_conn()
+        except S3Error as exc:
+            if exc.code in _MISSING_KEY_CODES:
+                return None
+            self._raise(exc, what)
+        except (MinioException, urllib3.exceptions.HTTPError, OSError) as exc:
+            self._raise(exc, what)
+
+    @override
+    def get(self, key: str) -> bytes | None:
+        return self._read(self._name(key), f"GET {key!r}")
+
+    @override
+    def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        check_range(start, length)
+        name = self._name(key)
+        if length == 0:
+            return b"" if self._head(name, f"HEAD {key!r}") else None
+        try:
+            return self._read(name, f"GET {key!r} range", offset=start, length=length)
+        except StoreError as exc:
+            # A range wholly past the end is a 416; S3 semantics say "empty", like slicing a bytes object.
+            cause = exc.__cause__
+            if isinstance(cause, S3Error) and cause.code == "InvalidRange":
+                return b"" if self._head(name, f"HEAD {key!r}") else None
+            raise
+
+    def _head(self, name: str, what: str) -> bool:
+        try:
+            self._client.stat_object(self._bucket, name)
+            return True
+        except S3Error as exc:
+            if exc.code in _MISSING_KEY_CODES:
+                return False
+            self._raise(exc, what)
+        except (MinioException, urllib3.exceptions.HTTPError, OSError) as exc:
+            self._raise(exc, what)
+
+    @override
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        names = [self._name(key) for key in keys]
+        if len(names) <= 1:
+            return [self._head(name, f"HEAD {name!r}") for name in names]
+        return list(self._executor().map(lambda name: self._head(name, f"HEAD {name!r}"), names))
+
+    # -- writes --
+
+    def _put(self, name: str, data: Data, headers: dict[str, str | list[str] | tuple[str]]) -> None:
+        body = as_bytes_view(data)
+        headers["Content-Type"] = "application/octet-stream"
+        # The SDK only sets Content-Length for a non-empty body; an empty object needs it explicitly.
+        headers["Content-Length"] = str(body.nbytes)
+        # One request, no multipart: chunks are MiB-sized, far below the 5 GiB single-PUT limit.
+        self._client._put_object(self._bucket, name, body, headers=headers)  # type: ignore[arg-type]
+
+    @override
+    def put(self, key: str, data: Data) -> None:
+        name = self._name(key)
+        self._call(f"PUT {key!r}", lambda: self._put(name, data, {}))
+
+    @override
+    def put_if_absent(self, key: str, data: Data) -> bool:
+        name = self._name(key)
+        try:
+            self._put(name, data, {"If-None-Match": "*"})
+            return True
+        except S3Error as exc:
+            # 412: the key exists. 409 ConditionalRequestConflict: a racing create-only write is in flight.
+            if exc.code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                return False
+            self._raise(exc, f"PUT-if-absent {key!r}")
+        except (MinioException, urllib3.exceptions.HTTPError, OSError) as exc:
+            self._raise(exc, f"PUT-if-absent {key!r}")
+
+    @override
+    def delete(self, key: str) -> None:
+        name = self._name(key)
+        try:
+            self._client.remove_object(self._bucket, name)
+        except S3Error as exc:
+            if exc.code in _MISSING_KEY_CODES:
+                return
+            self._raise(exc, f"DELETE {key!r}")
+        except (MinioException, urllib3.exceptions.HTTPError, OSError) as exc:
+            self._raise(exc, f"DELETE {key!r}")
+
+    @override
+    def delete_many(self, keys: Sequence[str]) -> None:
+        objects = [DeleteObject(self._name(key)) for key in keys]
+        if not objects:
+            return
+
+        def run() -> None:
+            # The SDK sends batches of 1000 lazily; consuming the iterator is what performs the deletes.
+            for error in self._client.remove_objects(self._bucket, iter(objects)):
+                if error.code in _MISSING_KEY_CODES:
+                    continue
+                if error.code == "NoSuchBucket":
+                    raise BucketNotFound(f"bucket {self._bucket!r} does not exist at {self._endpoint}")
+                if error.code in _AUTH_CODES:
+                    raise StoreAuthError(f"DELETE {error.name!r} in {self.url}: access denied ({error.code})")
+                raise StoreError(f"DELETE {error.name!r} in {self.url}: {error.code}: {error.message}")
+
+        self._call(f"DELETE {len(objects)} objects", run)
+
+    # -- listing --
+
+    @override
+    def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[ObjectInfo]:
+        base = f"{self._prefix}/" if self._prefix else ""
+        # ListObjectsV2 pages of 1000 are fetched lazily as the caller iterates.
+        objects = self._client.list_objects(
+            self._bucket,
+            prefix=base + prefix,
+            recursive=True,
+            start_after=base + start_after if start_after is not None else None,
+        )
+        strip = len(base)
+        iterator = iter(objects)
+        while True:
+            try:
+                obj = next(iterator)
+            except StopIteration:
+                return
+            except (MinioException, urllib3.exceptions.HTTPError, OSError) as exc:
+                self._raise(exc, f"LIST {prefix!r}")
+            name = obj.object_name
+            if name is None or obj.is_dir:
+                continue
+            modified = obj.last_modified.timestamp() if obj.last_modified is not None else 0.0
+            yield ObjectInfo(name[strip:], obj.size or 0, modified)
+
+    # -- health and lifecycle --
+
+    @override
+    def check(self) -> None:
+        if not self._call("HEAD bucket", lambda: self._client.bucket_exists(self._bucket)):
+            raise BucketNotFound(f"bucket {self._bucket!r} does not exist at {self._endpoint}")
+
+    def create_bucket(self) -> bool:
+        """Create the bucket if it is missing; `True` if this call created it."""
+        try:
+            check_bucket_name(self._bucket, strict=True, s3_check=True)
+        except ValueError as exc:
+            raise ConfigError(f"cannot create bucket {self._bucket!r}: {exc}") from exc
+        try:
+            self._client.make_bucket(self._bucket)
+            return True
+        except S3Error as exc:
+            if exc.code in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                return False
+            self._raise(exc, "create bucket")
+        except (MinioException, urllib3.exceptions.HTTPError, OSError) as exc:
+            self._raise(exc, "create bucket")
+
+    @override
+    def close(self) -> None:
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self._http.clear()

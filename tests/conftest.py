@@ -1,0 +1,157 @@
+"""Root fixtures: a real S3 server for the whole session, fresh buckets and stores per test.
+
+The server is, in order of preference: an external endpoint from `KVSTORE_TEST_S3_ENDPOINT` (+ `_ACCESS_KEY`,
+`_SECRET_KEY`), MinIO in a container when a Docker daemon answers, else a private SeaweedFS (`weed mini`).
+Tests that stop a server use `private_s3_server`, their own SeaweedFS, so nobody else's server goes away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from minio import Minio
+from minio.deleteobjects import DeleteObject
+
+from kvstore.embedded import SeaweedServer
+from kvstore.stores.s3 import S3Store
+
+
+@dataclass
+class S3Server:
+    """What tests need from a server: where it is, how to sign, and (maybe) how to stop it."""
+
+    endpoint: str
+    access_key: str
+    secret_key: str
+    kind: str
+    _seaweed: SeaweedServer | None = field(default=None, repr=False)
+
+    def stop(self) -> None:
+        if self._seaweed is None:
+            pytest.skip(f"cannot stop the {self.kind} S3 server")
+        self._seaweed.stop()
+
+    def start(self) -> None:
+        if self._seaweed is None:
+            pytest.skip(f"cannot start the {self.kind} S3 server")
+        self._seaweed.start()
+
+    def client(self) -> Minio:
+        secure = self.endpoint.startswith("https://")
+        host = self.endpoint.split("://", 1)[-1]
+        return Minio(host, self.access_key, self.secret_key, secure=secure, region="us-east-1")
+
+    def store(self, bucket: str, prefix: str = "", **kwargs: Any) -> S3Store:
+        kwargs.setdefault("access_key", self.access_key)
+        kwargs.setdefault("secret_key", self.secret_key)
+        return S3Store(bucket, prefix, endpoint=self.endpoint, **kwargs)
+
+
+def _docker_answers() -> bool:
+    try:
+        import docker  # type: ignore[import-untyped]
+
+        client = docker.from_env(timeout=2)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:  # no SDK, no socket, no daemon: all mean "no Docker"
+        return False
+
+
+@contextlib.contextmanager
+def _minio_container() -> Iterator[S3Server]:
+    from testcontainers.minio import MinioContainer  # type: ignore[import-untyped]
+
+    with MinioContainer() as container:
+        config = container.get_config()
+        yield S3Server(f"http://{config['endpoint']}", config["access_key"], config["secret_key"], "minio")
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    endpoint = os.environ.get("KVSTORE_TEST_S3_ENDPOINT")
+    if endpoint:
+        yield S3Server(
+            endpoint,
+            os.environ.get("KVSTORE_TEST_S3_ACCESS_KEY", ""),
+            os.environ.get("KVSTORE_TEST_S3_SECRET_KEY", ""),
+            "external",
+        )
+        return
+    if _docker_answers():
+        with _minio_container() as server:
+            yield server
+        return
+    seaweed = SeaweedServer(tmp_path_factory.mktemp("seaweed"))
+    seaweed.start()
+    try:
+        yield S3Server(seaweed.endpoint, seaweed.access_key, seaweed.secret_key, "seaweedfs", seaweed)
+    finally:
+        seaweed.stop()
+
+
+@pytest.fixture
+def private_s3_server(tmp_path: Path) -> Iterator[S3Server]:
+    """A SeaweedFS of this test's own, for tests that stop or restart the server."""
+    seaweed = SeaweedServer(tmp_path / "seaweed")
+    seaweed.start()
+    try:
+        yield S3Server(seaweed.endpoint, seaweed.access_key, seaweed.secret_key, "seaweedfs", seaweed)
+    finally:
+        seaweed.stop(kill=True)
+
+
+def _empty_and_remove(client: Minio, bucket: str) -> None:
+    listing = client.list_objects(bucket, recursive=True)
+    names = (DeleteObject(o.object_name) for o in listing if o.object_name)
+    for _ in client.remove_objects(bucket, names):
+        pass
+    client.remove_bucket(bucket)
+
+
+def _make_bucket(server: S3Server) -> Iterator[str]:
+    """Create a uniquely named bucket on `server`, yield its name, then empty and delete it."""
+    client = server.client()
+    bucket = f"kvt-{uuid.uuid4().hex[:16]}"
+    client.make_bucket(bucket)
+    try:
+        yield bucket
+    finally:
+        with contextlib.suppress(Exception):  # a test may have stopped its server on purpose
+            _empty_and_remove(client, bucket)
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Server) -> Iterator[str]:
+    yield from _make_bucket(s3_server)
+
+
+@pytest.fixture
+def s3_store(s3_server: S3Server, s3_bucket: str) -> Iterator[S3Store]:
+    with s3_server.store(s3_bucket, f"p-{uuid.uuid4().hex[:8]}") as store:
+        yield store
+
+
+@pytest.fixture
+def private_s3_store(private_s3_server: S3Server) -> Iterator[S3Store]:
+    """A store on this test's own server (see `private_s3_server`), for outage tests."""
+    client = private_s3_server.client()
+    bucket = f"kvt-{uuid.uuid4().hex[:16]}"
+    client.make_bucket(bucket)
+    with private_s3_server.store(bucket) as store:
+        yield store
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # A run that selects no tests (e.g. `-m vllm` on a machine without vLLM) is not a failure.
+    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+        session.exitstatus = pytest.ExitCode.OK

@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+from cache_workers import blob_for, key_for
+
+from kvstore.cache import NVMeCache
+
+
+def filled(cache_dir: Path, n: int = 6) -> NVMeCache:
+    cache = NVMeCache(cache_dir, 10**6)
+    for i in range(n):
+        assert cache.put(key_for(i), blob_for(key_for(i)))
+    return cache
+
+
+def path_of(cache: NVMeCache, key: str) -> Path:
+    loc = cache.locate(key)
+    assert loc is not None
+    return Path(loc.path)
+
+
+def test_clean_cache_is_clean(cache_dir: Path) -> None:
+    with filled(cache_dir) as cache:
+        report = cache.fsck()
+        assert report.clean, report
+        assert (report.entries, report.files) == (6, 6)
+        summary = report.as_dict()
+        assert summary["clean"] is True and summary["orphan_files"] == [] and summary["usage_drift"] == 0
+        json.dumps(summary)
+        assert report.recorded_used_bytes == report.actual_used_bytes == cache.usage().used_bytes
+
+
+def test_flipped_byte_is_a_bad_checksum_and_fix_removes_it(cache_dir: Path) -> None:
+    with filled(cache_dir) as cache:
+        victim = key_for(2)
+        path = path_of(cache, victim)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+        report = cache.fsck()
+        assert report.bad_checksums == (victim,)
+        assert not report.clean and not report.fixed
+        assert cache.contains(victim), "fix=False changes nothing"
+        fixed = cache.fsck(fix=True)
+        assert fixed.bad_checksums == (victim,) and fixed.fixed
+        assert not path.exists() and not cache.contains(victim)
+        assert victim in cache.take_evicted()
+        assert cache.fsck().clean
+
+
+def test_invalid_chunk_with_matching_index_checksum_is_bad(cache_dir: Path) -> None:
+    with NVMeCache(cache_dir, 10**6) as cache:
+        cache.put("not-a-chunk", b"plain bytes, no chunk header")
+        assert cache.fsck().bad_checksums == ("not-a-chunk",)
+        assert cache.fsck(verify_checksums=False).clean
+
+
+def test_orphans_missing_and_drift(cache_dir: Path) -> None:
+    with filled(cache_dir) as cache:
+        stray = cache_dir / "chunks" / "ab" / "stray-file"
+        stray.parent.mkdir(exist_ok=True)
+        stray.write_bytes(b"x")
+        (cache_dir / "tmp" / "deadbeef.0011223344556677.tmp").write_bytes(b"partial")
+        gone = key_for(4)
+        os.unlink(path_of(cache, gone))
+        s = cache._index._db()
+        with s.env.begin(write=True) as txn:
+            txn.put(b"used_bytes", struct.pack("<Q", 1), db=s.meta)
+        report = cache.fsck()
+        assert report.orphan_files == ("chunks/ab/stray-file", "tmp/deadbeef.0011223344556677.tmp")
+        assert report.missing_files == (gone,)
+        assert report.recorded_used_bytes == 1 and report.usage_drift > 0
+        assert report.problems == 4
+        cache.fsck(fix=True)
+        after = cache.fsck()
+        assert after.clean, after
+        assert after.entries == 5 and after.actual_used_bytes == cache.usage().used_bytes
+        assert not stray.exists()
+        for i in (0, 1, 2, 3, 5):
+            assert cache.get(key_for(i)) == blob_for(key_for(i))
+
+
+def test_young_orphans_are_spared(cache_dir: Path) -> None:
+    with filled(cache_dir, 1) as cache:
+        (cache_dir / "tmp" / "in-flight.tmp").write_bytes(b"...")
+        assert cache.fsck(fix=True, orphan_min_age_s=3600).clean
+        assert (cache_dir / "tmp" / "in-flight.tmp").exists()
+        assert cache.fsck().orphan_files == ("tmp/in-flight.tmp",)
+
+
+def test_lru_drift_is_repaired(cache_dir: Path) -> None:
+    with filled(cache_dir) as cache:
+        s = cache._index._db()
+        with s.env.begin(write=True) as txn:
+            txn.drop(s.lru, delete=False)
+        assert cache.fsck().lru_mismatches == 6
+        cache.fsck(fix=True)
+        assert cache.fsck().clean

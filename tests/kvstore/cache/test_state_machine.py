@@ -1,0 +1,150 @@
+"""The NVMe cache against a dict model, with random sizes and a small budget.
+
+Eviction is the cache's choice, so the model tracks what *may* be cached (the bytes last admitted per key) and
+what *must* be cached (admitted while pinned, or pinned while present); everything else may be a miss.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from kvstore.cache import NVMeCache
+
+BUDGET = 1000
+KEYS = st.sampled_from([f"ns/{i:02d}.bin" for i in range(6)])
+
+
+class CacheMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = tempfile.mkdtemp(prefix="nvme-sm-")
+        self.cache = NVMeCache(self.dir, BUDGET, index_sync=False, touch_buffer_max=3)
+        self.stored: dict[str, bytes] = {}  # what a hit must return
+        self.pins: dict[str, int] = {}
+        self.must_have: set[str] = set()
+
+    def teardown(self) -> None:
+        self.cache.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    @initialize()
+    def start_empty(self) -> None:
+        assert self.cache.usage().entries == 0
+
+    def _forget_evicted(self) -> None:
+        for key in self.cache.take_evicted():
+            assert key not in self.must_have, f"pinned {key} was removed"
+            self.stored.pop(key, None)
+
+    @rule(key=KEYS, size=st.integers(0, 450), fill=st.binary(min_size=1, max_size=1))
+    def put(self, key: str, size: int, fill: bytes) -> None:
+        blob = fill * size
+        present = self.cache.contains(key)
+        resident = list(self.cache.keys())
+        pinned_bytes = sum(len(self.stored[k]) for k in resident if self.pins.get(k, 0))
+        admitted = self.cache.put(key, blob)
+        if present or size > BUDGET:
+            assert not admitted
+        else:
+            # Rejected exactly when the pinned bytes leave no room; anything unpinned can be evicted.
+            assert admitted == (pinned_bytes + size <= BUDGET)
+        self._forget_evicted()
+        if admitted:
+            self.stored[key] = blob
+            if self.pins.get(key, 0):
+                self.must_have.add(key)
+
+    @rule(key=KEYS)
+    def get(self, key: str) -> None:
+        data = self.cache.get(key)
+        if key in self.must_have:
+            assert data is not None
+        if data is None:
+            self._forget_evicted()
+            self.stored.pop(key, None)
+        else:
+            assert data == self.stored[key]
+
+    @rule(key=KEYS)
+    def locate(self, key: str) -> None:
+        loc = self.cache.locate(key)
+        if loc is not None:
+            with open(loc.path, "rb") as f:
+                assert f.read() == self.stored[key]
+
+    @rule(key=KEYS)
+    def discard(self, key: str) -> None:
+        self.must_have.discard(key)  # an explicit discard may remove a pinned key
+        self.cache.discard(key)
+        self._forget_evicted()
+        self.stored.pop(key, None)
+
+    @rule(key=KEYS)
+    def pin(self, key: str) -> None:
+        self.cache.pin([key])
+        self.pins[key] = self.pins.get(key, 0) + 1
+        if self.cache.contains(key):
+            self.must_have.add(key)
+
+    @rule(key=KEYS)
+    def unpin(self, key: str) -> None:
+        self.cache.unpin([key])  # also exercises unpinning a key without pins (a no-op)
+        self.pins[key] = max(0, self.pins.get(key, 0) - 1)
+        if not self.pins[key]:
+            self.must_have.discard(key)
+
+    @rule(keys=st.lists(KEYS, max_size=4))
+    def touch(self, keys: list[str]) -> None:
+        self.cache.touch(keys)
+
+    @rule()
+    def flush(self) -> None:
+        self.cache.flush()
+
+    @invariant()
+    def usage_is_consistent(self) -> None:
+        usage = self.cache.usage()
+        assert usage.used_bytes <= BUDGET
+        keys = list(self.cache.keys())
+        assert usage.entries == len(keys)
+        assert usage.used_bytes == sum(len(self.stored[k]) for k in keys)
+        assert set(keys) <= set(self.stored)
+        assert self.must_have <= set(keys)
+        assert usage.pinned_entries == sum(1 for k in keys if self.pins.get(k, 0))
+        for key, count in self.pins.items():
+            assert self.cache.pinned(key) == count
+
+
+TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine.settings = settings(
+    max_examples=150,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def test_final_fsck_after_random_run() -> None:
+    # Complements the machine: a long sequence, then a full fsck.
+    import random
+
+    directory = tempfile.mkdtemp(prefix="nvme-sm-")
+    try:
+        rng = random.Random(7)
+        with NVMeCache(directory, BUDGET, index_sync=False) as cache:
+            for _ in range(400):
+                key = f"ns/{rng.randrange(20)}"
+                if rng.random() < 0.1:
+                    cache.pin([key])
+                elif rng.random() < 0.1:
+                    cache.unpin([key])
+                cache.put(key, bytes([len(key)]) * rng.randrange(300))
+            assert cache.usage().used_bytes <= BUDGET
+            assert cache.fsck(verify_checksums=False).clean
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,152 @@
+"""S3Store against a real server: races, credentials, missing buckets, an outage and the recovery after it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import uuid
+from typing import TYPE_CHECKING
+
+import pytest
+
+from kvstore.errors import BucketNotFound, ConfigError, StoreAuthError, StoreUnavailable
+from kvstore.stores import S3Store, open_store
+
+if TYPE_CHECKING:  # the root conftest is not importable by name under every pytest import mode
+    from conftest import S3Server
+
+pytestmark = pytest.mark.integration
+
+
+def test_concurrent_writers_of_same_key(s3_store: S3Store) -> None:
+    payload = os.urandom(3 * 1024 * 1024)
+    barrier = threading.Barrier(8)
+    created: list[bool] = []
+    errors: list[BaseException] = []
+
+    def writer(index: int) -> None:
+        try:
+            barrier.wait()
+            if index % 2:
+                created.append(s3_store.put_if_absent("same/key", payload))
+            else:
+                s3_store.put("same/key", payload)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    stored = s3_store.get("same/key")
+    assert stored is not None
+    assert hashlib.sha256(stored).digest() == hashlib.sha256(payload).digest()
+    assert created.count(True) <= 1
+
+
+def test_put_if_absent_race_has_one_winner(s3_store: S3Store) -> None:
+    barrier = threading.Barrier(6)
+    results: list[bool] = []
+
+    def writer(index: int) -> None:
+        barrier.wait()
+        results.append(s3_store.put_if_absent("race", f"writer-{index}".encode()))
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results.count(True) == 1
+    assert s3_store.get("race") in {f"writer-{i}".encode() for i in range(6)}
+
+
+def test_wrong_credentials(s3_server: S3Server, s3_bucket: str) -> None:
+    with s3_server.store(s3_bucket, secret_key="wrong-secret-key") as store:
+        with pytest.raises(StoreAuthError):
+            store.check()
+        with pytest.raises(StoreAuthError):
+            store.get("k")
+        with pytest.raises(StoreAuthError):
+            store.put("k", b"x")
+    with (
+        s3_server.store(s3_bucket, access_key="no-such-user", secret_key="x" * 20) as store,
+        pytest.raises(StoreAuthError),
+    ):
+        list(store.list())
+
+
+def test_missing_bucket(s3_server: S3Server) -> None:
+    bucket = f"kvt-missing-{uuid.uuid4().hex[:8]}"
+    with s3_server.store(bucket) as store:
+        with pytest.raises(BucketNotFound, match=bucket):
+            store.check()
+        with pytest.raises(BucketNotFound, match=bucket):
+            store.put("k", b"x")
+        with pytest.raises(BucketNotFound):
+            store.get("k")
+        with pytest.raises(BucketNotFound):
+            list(store.list())
+
+
+def test_unreachable_endpoint_fails_fast() -> None:
+    # Port 9 (discard) on loopback is closed: connection refused, retried a bounded number of times.
+    with S3Store("bucket", endpoint="http://127.0.0.1:9", access_key="a", secret_key="b") as store:
+        with pytest.raises(StoreUnavailable, match=r"127\.0\.0\.1:9"):
+            store.check()
+        with pytest.raises(StoreUnavailable):
+            store.get("k")
+
+
+def test_secrets_stay_out_of_repr_and_url(s3_server: S3Server, s3_bucket: str) -> None:
+    store = open_store(
+        f"s3://{s3_bucket}/some/prefix",
+        endpoint=s3_server.endpoint,
+        access_key=s3_server.access_key,
+        secret_key=s3_server.secret_key,
+    )
+    with store:
+        assert store.url == f"s3://{s3_bucket}/some/prefix"
+        assert s3_server.secret_key not in repr(store)
+        assert s3_server.access_key not in repr(store)
+        store.put("x", b"1")
+        assert [info.key for info in store.list()] == ["x"]
+
+
+def test_open_store_urls(tmp_path: os.PathLike[str]) -> None:
+    with pytest.raises(ConfigError, match="bucket"):
+        open_store("s3:///prefix")
+    with pytest.raises(ConfigError, match="scheme"):
+        open_store("ftp://host/x")
+    with pytest.raises(ConfigError, match="absolute"):
+        open_store("file://relative/path")
+    with pytest.raises(ConfigError, match="option"):
+        open_store("s3://b/p", endpoint="http://127.0.0.1:9", no_such_option=1)
+    assert open_store("memory://shared") is open_store("memory://shared")
+    local = open_store(f"file://{tmp_path}/store")
+    local.put("k", b"v")
+    assert local.get("k") == b"v"
+
+
+def test_outage_and_recovery(private_s3_server: S3Server) -> None:
+    bucket = f"kvt-{uuid.uuid4().hex[:16]}"
+    private_s3_server.client().make_bucket(bucket)  # the server and its data go away with the test
+    with private_s3_server.store(bucket, "p") as store:
+        store.put("kept", b"survives a restart")
+        private_s3_server.stop()
+        # The client's own timeouts and bounded retries must turn the outage into an error, not a hang.
+        with pytest.raises(StoreUnavailable):
+            store.get("kept")
+        with pytest.raises(StoreUnavailable):
+            store.put("new", b"x")
+        with pytest.raises(StoreUnavailable):
+            store.exists_many(["kept", "other"])
+        with pytest.raises(StoreUnavailable):
+            list(store.list())
+        private_s3_server.start()
+        assert store.get("kept") == b"survives a restart"
+        store.put("new", b"x")
+        assert store.exists_many(["kept", "new", "nope"]) == [True, True, False]

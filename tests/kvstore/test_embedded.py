@@ -1,0 +1,57 @@
+"""The embedded SeaweedFS default: persistent private credentials, a ready bucket, restarts that keep data."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import pytest
+
+from kvstore.embedded import SeaweedServer, ensure_embedded_server
+from kvstore.errors import StoreAuthError
+from kvstore.stores import S3Store
+
+pytestmark = pytest.mark.integration
+
+
+def test_credentials_persist_with_0600_and_are_reused(tmp_path: Path) -> None:
+    data_dir = tmp_path / "embedded"
+    server = ensure_embedded_server(data_dir, bucket="kvb")
+    try:
+        creds_file = data_dir / "credentials.json"
+        assert stat.S_IMODE(creds_file.stat().st_mode) == 0o600
+        saved = json.loads(creds_file.read_text())
+        assert (saved["access_key"], saved["secret_key"]) == (server.access_key, server.secret_key)
+        assert server.start_seconds is not None
+        assert (data_dir / "weed.log").is_file()
+        with S3Store("kvb", endpoint=server.endpoint, access_key=server.access_key,
+                     secret_key=server.secret_key) as store:
+            store.check()
+            store.put("k", b"persisted")
+        with S3Store("kvb", endpoint=server.endpoint, access_key=server.access_key,
+                     secret_key="not-the-secret") as store, pytest.raises(StoreAuthError):
+            store.check()
+    finally:
+        server.stop()
+
+    again = ensure_embedded_server(data_dir, bucket="kvb")
+    try:
+        assert (again.access_key, again.secret_key) == (saved["access_key"], saved["secret_key"])
+        with S3Store("kvb", endpoint=again.endpoint, access_key=again.access_key,
+                     secret_key=again.secret_key) as store:
+            assert store.get("k") == b"persisted"
+    finally:
+        again.stop()
+
+
+def test_restart_keeps_ports_and_data(tmp_path: Path) -> None:
+    with SeaweedServer(tmp_path / "sw") as server:
+        endpoint = server.endpoint
+        with S3Store("rb1", endpoint=endpoint, access_key=server.access_key,
+                     secret_key=server.secret_key) as store:
+            store.create_bucket()
+            store.put("a", b"1")
+            server.restart()
+            assert server.endpoint == endpoint
+            assert store.get("a") == b"1"
