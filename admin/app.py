@@ -30,8 +30,12 @@ def create_app(node: Node) -> FastAPI:
             checks["store"] = {"ok": False, "url": node.store.url, "error": str(exc)}
         try:
             usage = node.cache.usage()
-            checks["cache"] = {"ok": True, "used_bytes": usage.used_bytes, "budget_bytes": usage.budget_bytes,
-                               "entries": usage.entries}
+            checks["cache"] = {
+                "ok": True,
+                "used_bytes": usage.used_bytes,
+                "budget_bytes": usage.budget_bytes,
+                "entries": usage.entries,
+            }
         except KVStoreError as exc:
             checks["cache"] = {"ok": False, "error": str(exc)}
         healthy = all(c["ok"] for c in checks.values())

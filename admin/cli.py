@@ -42,7 +42,7 @@ def serve(
     host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default 8750)")] = None,
 ) -> None:
-    """Run the admin service (health, metrics) for this node. Starts a local S3 server if none is configured."""
+    """Run the admin service (health, metrics). Starts a local S3 server if none is configured."""
     import uvicorn
     from kvstore.admin.app import create_app
 
@@ -56,12 +56,15 @@ def serve(
         raise typer.Exit(EXIT_UNAVAILABLE) from None
     try:
         if node.embedded is not None:
-            console.print(f"embedded S3 server: [bold]{node.embedded.endpoint}[/bold] "
-                          f"(bucket kvstore, data in {settings.data_dir / 's3'}, "
-                          f"credentials in {settings.data_dir / 's3' / 'credentials.json'})")
+            console.print(
+                f"embedded S3 server: [bold]{node.embedded.endpoint}[/bold] "
+                f"(bucket kvstore, data in {settings.data_dir / 's3'}, "
+                f"credentials in {settings.data_dir / 's3' / 'credentials.json'})"
+            )
         console.print(f"NVMe cache: {settings.cache_dir} (budget {settings.cache_bytes:,} bytes)")
-        console.print(f"admin API: http://{settings.admin_host}:{settings.admin_port}  "
-                      f"(/healthz, /metrics, /docs)")
+        console.print(
+            f"admin API: http://{settings.admin_host}:{settings.admin_port}  (/healthz, /metrics, /docs)"
+        )
         uvicorn.run(create_app(node), host=settings.admin_host, port=settings.admin_port, log_level="warning")
     finally:
         node.close()
@@ -119,16 +122,35 @@ def bench_tiers(
         if server is not None:
             server.stop()
     table = Table(title=f"kvstore bench tiers (store: {store.url}, {workers} workers, best of {repeats})")
-    for col in ("chunk", "n", "store MB/s", "NVMe load MB/s", "raw read MB/s", "NVMe/raw",
-                "object load MB/s", "raw GET MB/s", "object/raw"):
+    for col in (
+        "chunk",
+        "n",
+        "store MB/s",
+        "NVMe load MB/s",
+        "raw read MB/s",
+        "NVMe/raw",
+        "object load MB/s",
+        "raw GET MB/s",
+        "object/raw",
+    ):
         table.add_column(col, justify="right")
     for r in report.sizes:
-        table.add_row(f"{r.chunk_bytes // 1024} KiB", str(r.chunks), f"{r.store_mb_s:.0f}",
-                      f"{r.nvme_load_mb_s:.0f}", f"{r.raw_file_read_mb_s:.0f}", f"{r.nvme_vs_raw:.2f}x",
-                      f"{r.object_load_mb_s:.0f}", f"{r.raw_get_mb_s:.0f}", f"{r.object_vs_raw:.2f}x")
+        table.add_row(
+            f"{r.chunk_bytes // 1024} KiB",
+            str(r.chunks),
+            f"{r.store_mb_s:.0f}",
+            f"{r.nvme_load_mb_s:.0f}",
+            f"{r.raw_file_read_mb_s:.0f}",
+            f"{r.nvme_vs_raw:.2f}x",
+            f"{r.object_load_mb_s:.0f}",
+            f"{r.raw_get_mb_s:.0f}",
+            f"{r.object_vs_raw:.2f}x",
+        )
     console.print(table)
-    console.print(f"lookup of {report.lookup_keys:,} NVMe-resident keys: engine {report.lookup_us_per_key:.2f} us/key,"
-                  f" bare index {report.index_contains_us_per_key:.2f} us/key")
+    console.print(
+        f"lookup of {report.lookup_keys:,} NVMe-resident keys: engine {report.lookup_us_per_key:.2f} us/key,"
+        f" bare index {report.index_contains_us_per_key:.2f} us/key"
+    )
     codecs = Table(title=f"codecs on 2 MiB chunks ({report.data})")
     for col in ("codec", "ratio", "encode MB/s", "decode+verify MB/s"):
         codecs.add_column(col, justify="right")

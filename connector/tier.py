@@ -55,8 +55,18 @@ log = logging.getLogger(__name__)
 
 # Options a `secondary_tiers` entry may carry, mapped to kvstore settings names.
 _SETTINGS_OPTIONS = {
-    "store_url", "s3_endpoint", "cache_dir", "cache_bytes", "codec", "upload_queue_bytes",
-    "upload_workers", "io_workers", "probe_hit_ttl_s", "probe_miss_ttl_s", "outage_cooldown_s", "region",
+    "store_url",
+    "s3_endpoint",
+    "cache_dir",
+    "cache_bytes",
+    "codec",
+    "upload_queue_bytes",
+    "upload_workers",
+    "io_workers",
+    "probe_hit_ttl_s",
+    "probe_miss_ttl_s",
+    "outage_cooldown_s",
+    "region",
 }
 _TIER_OPTIONS = {"enable_kv_events", "locality", "job_workers", "access_records", "access_flush_s"}
 
@@ -85,8 +95,10 @@ class KVStoreTier(SecondaryTierManager):
         self.locality = Locality(options["locality"]) if options.get("locality") else Locality.LOCAL
 
         mapper = FileMapper.from_offloading_spec(
-            root_dir="", offloading_spec=offloading_spec,
-            blocks_per_file=offloading_spec.blocks_per_chunk, parallel_agnostic=True,
+            root_dir="",
+            offloading_spec=offloading_spec,
+            blocks_per_file=offloading_spec.blocks_per_chunk,
+            parallel_agnostic=True,
         )
         self.namespace = Namespace.from_fields(mapper.get_run_config(), rank=mapper.rank)
 
@@ -102,15 +114,22 @@ class KVStoreTier(SecondaryTierManager):
         self._idle = threading.Condition()
         self._unprobed: list[str] = []
         self._stats = TierStats(self._engine.metrics)
-        events_on = bool(options.get("enable_kv_events")) and offloading_spec.kv_events_config.enable_kv_cache_events
+        events_on = (
+            bool(options.get("enable_kv_events")) and offloading_spec.kv_events_config.enable_kv_cache_events
+        )
         self._events_enabled = events_on
         self._access = (
             AccessRecorder(self._node.store, interval_s=float(options.get("access_flush_s", 60.0)))
-            if options.get("access_records", True) else None
+            if options.get("access_records", True)
+            else None
         )
         self._jobs.submit(self._publish_namespace)
-        log.info("KVStoreTier ready: namespace %s, store %s, cache %s", self.namespace.id,
-                 self._node.store.url, settings.cache_dir)
+        log.info(
+            "KVStoreTier ready: namespace %s, store %s, cache %s",
+            self.namespace.id,
+            self._node.store.url,
+            settings.cache_dir,
+        )
 
     # ------------------------------------------------------------- scheduler
 
@@ -187,11 +206,13 @@ class KVStoreTier(SecondaryTierManager):
     @classmethod
     @override
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
-        return metric_definitions()
+        definitions: dict[str, OffloadingMetricMetadata] = metric_definitions()
+        return definitions
 
     @override
     def get_stats(self) -> OffloadingConnectorStats | None:
-        return self._stats.collect()
+        stats: OffloadingConnectorStats | None = self._stats.collect()
+        return stats
 
     # ----------------------------------------------------------- job threads
 
@@ -236,7 +257,9 @@ class KVStoreTier(SecondaryTierManager):
         nbytes = len(loaded) * self.block_size_bytes
         if len(loaded) == len(keys):
             return JobResult(job_id=job.job_id, success=True, transfer_bytes=nbytes)
-        return JobResult(job_id=job.job_id, success=False, successful_keys=loaded or None, transfer_bytes=nbytes)
+        return JobResult(
+            job_id=job.job_id, success=False, successful_keys=loaded or None, transfer_bytes=nbytes
+        )
 
     def _run_store(self, job: TransferJob) -> JobResult:
         items = [
@@ -247,8 +270,9 @@ class KVStoreTier(SecondaryTierManager):
         if self._access is not None:
             self._access.record(c for c, _ in items)
         stored = outcome.written + outcome.queued + outcome.skipped
-        return JobResult(job_id=job.job_id, success=stored >= len(items),
-                         transfer_bytes=len(items) * self.block_size_bytes)
+        return JobResult(
+            job_id=job.job_id, success=stored >= len(items), transfer_bytes=len(items) * self.block_size_bytes
+        )
 
     def _publish_namespace(self) -> None:
         """Describe the namespace in the bucket once, like vLLM's fs tier writes its config.json."""
@@ -270,7 +294,9 @@ class KVStoreTier(SecondaryTierManager):
                 )
         return [
             OffloadingEvent(
-                keys=keys, medium=Medium.STORAGE, removed=removed,
+                keys=keys,
+                medium=Medium.STORAGE,
+                removed=removed,
                 locality=Locality.LOCAL if tier == "nvme" else Locality.REMOTE,
             )
             for (tier, removed), keys in grouped.items()

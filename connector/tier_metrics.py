@@ -41,14 +41,17 @@ _DROP_REASONS = ("queue_full", "store_down", "error")
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     tier = ("tier",)
     return {
-        QUERIES: OffloadingCounterMetadata("KVStoreTier chunk lookups answered, by tier (nvme, object).", tier),
+        QUERIES: OffloadingCounterMetadata(
+            "KVStoreTier chunk lookups answered, by tier (nvme, object).", tier
+        ),
         HITS: OffloadingCounterMetadata("KVStoreTier chunk lookups that hit, by tier.", tier),
         READ_BYTES: OffloadingCounterMetadata("KVStoreTier bytes loaded, by tier.", tier),
         WRITE_BYTES: OffloadingCounterMetadata("KVStoreTier bytes written, by tier.", tier),
         READ_SECONDS: OffloadingCounterMetadata("KVStoreTier time spent loading chunks, by tier.", tier),
         CHECKSUM_FAILURES: OffloadingCounterMetadata("KVStoreTier chunks rejected by verification.", tier),
-        STORES_DROPPED: OffloadingCounterMetadata("KVStoreTier uploads dropped (store slow or down).",
-                                                  ("reason",)),
+        STORES_DROPPED: OffloadingCounterMetadata(
+            "KVStoreTier uploads dropped (store slow or down).", ("reason",)
+        ),
         NVME_USED: OffloadingGaugeMetadata("Bytes held by the node's NVMe cache."),
         NVME_BUDGET: OffloadingGaugeMetadata("Byte budget of the node's NVMe cache."),
     }

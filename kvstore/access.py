@@ -57,8 +57,9 @@ def read_access_records(store: ObjectStore, prefix: str = ACCESS_PREFIX) -> Iter
 class AccessRecorder:
     """Buffers accessed keys and flushes them every `interval_s` or `max_keys`, on a background thread."""
 
-    def __init__(self, store: ObjectStore, *, interval_s: float = 60.0, max_keys: int = 50_000,
-                 node: str | None = None) -> None:
+    def __init__(
+        self, store: ObjectStore, *, interval_s: float = 60.0, max_keys: int = 50_000, node: str | None = None
+    ) -> None:
         self._store = store
         self._interval = interval_s
         self._max_keys = max_keys
@@ -89,7 +90,8 @@ class AccessRecorder:
         if not keys:
             return True
         now = time.time()
-        name = f"{ACCESS_PREFIX}{time.strftime('%Y%m%d%H', time.gmtime(now))}/{self._node}-{os.getpid()}-{seq:06d}.json.zst"
+        hour = time.strftime("%Y%m%d%H", time.gmtime(now))
+        name = f"{ACCESS_PREFIX}{hour}/{self._node}-{os.getpid()}-{seq:06d}.json.zst"
         try:
             self._store.put(name, encode_batch(keys, now))
         except StoreError as exc:

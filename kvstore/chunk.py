@@ -27,7 +27,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import BinaryIO
+from typing import Protocol
 
 import numpy as np
 import xxhash
@@ -89,7 +89,11 @@ def copy_verified(src: bytes | memoryview, dest: memoryview, expected: bytes) ->
         raise ChecksumMismatch("chunk checksum mismatch: the stored bytes are corrupt")
 
 
-def read_verified(f: BinaryIO, dest: memoryview, expected: bytes) -> None:
+class Readable(Protocol):
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
+
+
+def read_verified(f: Readable, dest: memoryview, expected: bytes) -> None:
     """Fill `dest` from file `f` while checksumming it; ChunkFormatError if the file is short."""
     hasher = xxhash.xxh3_128()
     start = 0
@@ -112,7 +116,9 @@ def parse_header(buf: bytes | memoryview) -> ChunkHeader:
     if magic != MAGIC:
         raise ChunkFormatError(f"not a chunk: bad magic {bytes(magic)!r}")
     if version != FORMAT_VERSION:
-        raise ChunkFormatError(f"unsupported chunk format version {version} (this build reads {FORMAT_VERSION})")
+        raise ChunkFormatError(
+            f"unsupported chunk format version {version} (this build reads {FORMAT_VERSION})"
+        )
     try:
         parsed_codec = Codec(codec)
     except ValueError:

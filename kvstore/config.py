@@ -64,7 +64,8 @@ class Settings(BaseSettings):
         validation_alias=AliasChoices("secret_key", "KVSTORE_SECRET_KEY", "AWS_SECRET_ACCESS_KEY"),
     )
     region: str | None = Field(
-        default=None, validation_alias=AliasChoices("region", "KVSTORE_REGION", "AWS_REGION", "AWS_DEFAULT_REGION")
+        default=None,
+        validation_alias=AliasChoices("region", "KVSTORE_REGION", "AWS_REGION", "AWS_DEFAULT_REGION"),
     )
 
     # NVMe cache.

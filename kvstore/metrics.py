@@ -24,38 +24,65 @@ class EngineMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.queries = Counter("kvstore:chunk_queries", "Chunk lookups answered by a tier", ["tier"],
-                               registry=registry)
-        self.hits = Counter("kvstore:chunk_hits", "Chunk lookups that found the chunk in a tier", ["tier"],
-                            registry=registry)
-        self.read_bytes = Counter("kvstore:read_bytes", "Chunk bytes loaded from a tier", ["tier"],
-                                  registry=registry)
-        self.write_bytes = Counter("kvstore:write_bytes", "Chunk bytes written to a tier", ["tier"],
-                                   registry=registry)
-        self.read_seconds = Histogram("kvstore:read_seconds", "Latency of one chunk load", ["tier"],
-                                      buckets=_LATENCY_BUCKETS, registry=registry)
-        self.write_seconds = Histogram("kvstore:write_seconds", "Latency of one chunk write", ["tier"],
-                                       buckets=_LATENCY_BUCKETS, registry=registry)
-        self.load_failures = Counter("kvstore:load_failures", "Chunk loads that found nothing usable",
-                                     ["tier"], registry=registry)
-        self.checksum_failures = Counter("kvstore:checksum_failures",
-                                         "Chunks rejected because their bytes failed verification", ["tier"],
-                                         registry=registry)
-        self.stores_dropped = Counter("kvstore:stores_dropped",
-                                      "Chunk uploads dropped instead of queued without bound", ["reason"],
-                                      registry=registry)
-        self.store_errors = Counter("kvstore:object_store_errors", "Object store operations that failed",
-                                    ["op"], registry=registry)
-        self.evictions = Counter("kvstore:nvme_evictions", "Chunks evicted from the NVMe cache",
-                                 registry=registry)
-        self.upload_queue_bytes = Gauge("kvstore:upload_queue_bytes", "Bytes waiting for write-behind upload",
-                                        registry=registry)
-        self.nvme_used_bytes = Gauge("kvstore:nvme_used_bytes", "Bytes held by the NVMe cache",
-                                     registry=registry)
-        self.nvme_budget_bytes = Gauge("kvstore:nvme_budget_bytes", "Byte budget of the NVMe cache",
-                                       registry=registry)
-        self.object_store_up = Gauge("kvstore:object_store_up", "1 while the object store answers, else 0",
-                                     registry=registry)
+        self.queries = Counter(
+            "kvstore:chunk_queries", "Chunk lookups answered by a tier", ["tier"], registry=registry
+        )
+        self.hits = Counter(
+            "kvstore:chunk_hits", "Chunk lookups that found the chunk in a tier", ["tier"], registry=registry
+        )
+        self.read_bytes = Counter(
+            "kvstore:read_bytes", "Chunk bytes loaded from a tier", ["tier"], registry=registry
+        )
+        self.write_bytes = Counter(
+            "kvstore:write_bytes", "Chunk bytes written to a tier", ["tier"], registry=registry
+        )
+        self.read_seconds = Histogram(
+            "kvstore:read_seconds",
+            "Latency of one chunk load",
+            ["tier"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.write_seconds = Histogram(
+            "kvstore:write_seconds",
+            "Latency of one chunk write",
+            ["tier"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.load_failures = Counter(
+            "kvstore:load_failures", "Chunk loads that found nothing usable", ["tier"], registry=registry
+        )
+        self.checksum_failures = Counter(
+            "kvstore:checksum_failures",
+            "Chunks rejected because their bytes failed verification",
+            ["tier"],
+            registry=registry,
+        )
+        self.stores_dropped = Counter(
+            "kvstore:stores_dropped",
+            "Chunk uploads dropped instead of queued without bound",
+            ["reason"],
+            registry=registry,
+        )
+        self.store_errors = Counter(
+            "kvstore:object_store_errors", "Object store operations that failed", ["op"], registry=registry
+        )
+        self.evictions = Counter(
+            "kvstore:nvme_evictions", "Chunks evicted from the NVMe cache", registry=registry
+        )
+        self.upload_queue_bytes = Gauge(
+            "kvstore:upload_queue_bytes", "Bytes waiting for write-behind upload", registry=registry
+        )
+        self.nvme_used_bytes = Gauge(
+            "kvstore:nvme_used_bytes", "Bytes held by the NVMe cache", registry=registry
+        )
+        self.nvme_budget_bytes = Gauge(
+            "kvstore:nvme_budget_bytes", "Byte budget of the NVMe cache", registry=registry
+        )
+        self.object_store_up = Gauge(
+            "kvstore:object_store_up", "1 while the object store answers, else 0", registry=registry
+        )
         self.object_store_up.set(1)
 
     @classmethod

@@ -50,8 +50,11 @@ def open_object_store(settings: Settings) -> tuple[ObjectStore, SeaweedServer | 
         )
         return store, None
     server = ensure_embedded_server(settings.data_dir / "s3")
-    log.info("no store_url configured: using the embedded S3 server at %s (data in %s)",
-             server.endpoint, settings.data_dir / "s3")
+    log.info(
+        "no store_url configured: using the embedded S3 server at %s (data in %s)",
+        server.endpoint,
+        settings.data_dir / "s3",
+    )
     store = open_store(
         f"s3://{EMBEDDED_BUCKET}",
         endpoint=server.endpoint,

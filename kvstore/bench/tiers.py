@@ -10,6 +10,7 @@ Results are ratios against the baselines; absolute numbers on shared machines ar
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -71,7 +72,7 @@ def bf16_chunk(nbytes: int, seed: int) -> bytes:
     return (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
 
 
-def _best_of(repeats: int, run: Callable[[], None]) -> float:
+def _best_of(repeats: int, run: Callable[[], object]) -> float:
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -80,7 +81,7 @@ def _best_of(repeats: int, run: Callable[[], None]) -> float:
     return best
 
 
-def _read_file(path: Path, out: memoryview) -> None:
+def _read_file(path: str, out: memoryview) -> None:
     with open(path, "rb", buffering=0) as f:
         done = 0
         while done < len(out):
@@ -101,18 +102,20 @@ def bench_size(
     metrics = EngineMetrics.for_registry(None)
     cache_dir = workdir / f"cache-{chunk_bytes}"
     with NVMeCache(cache_dir, budget_bytes=chunk_bytes * chunks * 2 + 64 * MiB) as cache:
-        engine = TieredStore(store, cache, io_workers=workers, metrics=metrics,
-                             upload_queue_bytes=chunk_bytes * chunks * 2)
+        engine = TieredStore(
+            store, cache, io_workers=workers, metrics=metrics, upload_queue_bytes=chunk_bytes * chunks * 2
+        )
         start = time.perf_counter()
         engine.store_many(list(zip(keys, payloads, strict=True)))
         engine.flush(timeout=600)
         store_s = time.perf_counter() - start
-        paths = [cache.locate(k) for k in keys]
-        assert all(p is not None for p in paths), "every stored chunk must be on NVMe"
+        located = [cache.locate(k) for k in keys]
+        paths = [loc.path for loc in located if loc is not None]
+        assert len(paths) == chunks, "every stored chunk must be on NVMe"
         with ThreadPoolExecutor(workers) as pool:
 
             def raw_read() -> None:
-                list(pool.map(lambda i: _read_file(paths[i].path, buffers[i]), range(chunks)))  # type: ignore[union-attr]
+                list(pool.map(_read_file, paths, buffers))
 
             def engine_read() -> None:
                 assert all(engine.load_into(list(zip(keys, buffers, strict=True))))
@@ -176,8 +179,8 @@ def bench_codecs(chunk_bytes: int, repeats: int) -> list[CodecResult]:
     out = []
     for codec in Codec:
         blob = encode(raw, codec)
-        enc_s = _best_of(repeats, lambda c=codec: encode(raw, c))  # type: ignore[misc]
-        dec_s = _best_of(repeats, lambda b=blob: decode(b))  # type: ignore[misc]
+        enc_s = _best_of(repeats, functools.partial(encode, raw, codec))
+        dec_s = _best_of(repeats, functools.partial(decode, blob))
         mb = len(raw) / MiB
         out.append(CodecResult(codec.name.lower(), len(raw) / len(blob), mb / enc_s, mb / dec_s))
     return out

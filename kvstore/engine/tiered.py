@@ -159,7 +159,9 @@ class TieredStore:
         remote = sum(1 for p in answers if p is Presence.REMOTE)
         missed = sum(1 for p in answers if p is Presence.MISS)
         if self.cache is not None:
-            self.metrics.queries.labels("nvme").inc(len(answers) - sum(p is Presence.PENDING for p in answers))
+            self.metrics.queries.labels("nvme").inc(
+                len(answers) - sum(p is Presence.PENDING for p in answers)
+            )
             self.metrics.hits.labels("nvme").inc(local)
         if self.store is not None and remote + missed:
             self.metrics.queries.labels("object").inc(remote + missed)

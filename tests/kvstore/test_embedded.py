@@ -25,12 +25,17 @@ def test_credentials_persist_with_0600_and_are_reused(tmp_path: Path) -> None:
         assert (saved["access_key"], saved["secret_key"]) == (server.access_key, server.secret_key)
         assert server.start_seconds is not None
         assert (data_dir / "weed.log").is_file()
-        with S3Store("kvb", endpoint=server.endpoint, access_key=server.access_key,
-                     secret_key=server.secret_key) as store:
+        with S3Store(
+            "kvb", endpoint=server.endpoint, access_key=server.access_key, secret_key=server.secret_key
+        ) as store:
             store.check()
             store.put("k", b"persisted")
-        with S3Store("kvb", endpoint=server.endpoint, access_key=server.access_key,
-                     secret_key="not-the-secret") as store, pytest.raises(StoreAuthError):
+        with (
+            S3Store(
+                "kvb", endpoint=server.endpoint, access_key=server.access_key, secret_key="not-the-secret"
+            ) as store,
+            pytest.raises(StoreAuthError),
+        ):
             store.check()
     finally:
         server.stop()
@@ -38,8 +43,9 @@ def test_credentials_persist_with_0600_and_are_reused(tmp_path: Path) -> None:
     again = ensure_embedded_server(data_dir, bucket="kvb")
     try:
         assert (again.access_key, again.secret_key) == (saved["access_key"], saved["secret_key"])
-        with S3Store("kvb", endpoint=again.endpoint, access_key=again.access_key,
-                     secret_key=again.secret_key) as store:
+        with S3Store(
+            "kvb", endpoint=again.endpoint, access_key=again.access_key, secret_key=again.secret_key
+        ) as store:
             assert store.get("k") == b"persisted"
     finally:
         again.stop()
@@ -48,8 +54,9 @@ def test_credentials_persist_with_0600_and_are_reused(tmp_path: Path) -> None:
 def test_restart_keeps_ports_and_data(tmp_path: Path) -> None:
     with SeaweedServer(tmp_path / "sw") as server:
         endpoint = server.endpoint
-        with S3Store("rb1", endpoint=endpoint, access_key=server.access_key,
-                     secret_key=server.secret_key) as store:
+        with S3Store(
+            "rb1", endpoint=endpoint, access_key=server.access_key, secret_key=server.secret_key
+        ) as store:
             store.create_bucket()
             store.put("a", b"1")
             server.restart()

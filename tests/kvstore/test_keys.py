@@ -20,8 +20,12 @@ GROUPS = (KVCacheGroup(128, ("model.layers.0.self_attn.attn", "model.layers.1.se
 
 NAMESPACES = [
     Namespace(model_name="tiny/llama", tokens_per_hash=128, dtype="torch.bfloat16", kv_cache_groups=GROUPS),
-    Namespace(model_name="m", tokens_per_hash=16, dtype="torch.float16", tp_size=4, rank=3, blocks_per_file=2),
-    Namespace(model_name="org/x", tokens_per_hash=32, dtype="bf16", tp_size=2, rank=1, parallel_agnostic=True),
+    Namespace(
+        model_name="m", tokens_per_hash=16, dtype="torch.float16", tp_size=4, rank=3, blocks_per_file=2
+    ),
+    Namespace(
+        model_name="org/x", tokens_per_hash=32, dtype="bf16", tp_size=2, rank=1, parallel_agnostic=True
+    ),
     Namespace(model_name="y", tokens_per_hash=64, dtype="fp8", replicated_layout=True, canonical_format="c1"),
 ]
 

@@ -46,10 +46,16 @@ def cache(tmp_path: Path) -> Iterator[NVMeCache]:
         yield c
 
 
-def make_engine(store: ObjectStore | None, cache: NVMeCache | None, metrics: EngineMetrics,
-                **kwargs: object) -> TieredStore:
-    return TieredStore(store, cache, metrics=metrics, outage_cooldown_s=kwargs.pop("cooldown", 1.0),  # type: ignore[arg-type]
-                       **kwargs)  # type: ignore[arg-type]
+def make_engine(
+    store: ObjectStore | None, cache: NVMeCache | None, metrics: EngineMetrics, **kwargs: object
+) -> TieredStore:
+    return TieredStore(
+        store,
+        cache,
+        metrics=metrics,
+        outage_cooldown_s=kwargs.pop("cooldown", 1.0),  # type: ignore[arg-type]
+        **kwargs,
+    )  # type: ignore[arg-type]
 
 
 def load(engine: TieredStore, names: Sequence[str]) -> list[bytes | None]:
@@ -59,8 +65,9 @@ def load(engine: TieredStore, names: Sequence[str]) -> list[bytes | None]:
 
 
 @pytest.mark.parametrize("codec", list(Codec))
-def test_store_then_load_from_nvme_and_object(s3_store: ObjectStore, cache: NVMeCache, metrics: EngineMetrics,
-                                              tmp_path: Path, codec: Codec) -> None:
+def test_store_then_load_from_nvme_and_object(
+    s3_store: ObjectStore, cache: NVMeCache, metrics: EngineMetrics, tmp_path: Path, codec: Codec
+) -> None:
     names = keys(8)
     engine = make_engine(s3_store, cache, metrics, codec=codec)
     outcome = engine.store_many([(k, payload(i)) for i, k in enumerate(names)])
@@ -105,7 +112,9 @@ def test_lookup_without_waiting_probes_in_background(s3_store: ObjectStore, metr
     reader.close()
 
 
-def test_corrupt_nvme_copy_is_never_served(s3_store: ObjectStore, cache: NVMeCache, metrics: EngineMetrics) -> None:
+def test_corrupt_nvme_copy_is_never_served(
+    s3_store: ObjectStore, cache: NVMeCache, metrics: EngineMetrics
+) -> None:
     names = keys(2, "corrupt-nvme")
     engine = make_engine(s3_store, cache, metrics)
     engine.store_many([(k, payload(i)) for i, k in enumerate(names)])
@@ -139,8 +148,9 @@ def test_corrupt_object_is_a_miss_and_removed(s3_store: ObjectStore, metrics: En
     engine.close()
 
 
-def test_store_outage_degrades_to_nvme_and_recovers(private_s3_server: Any, private_s3_store: ObjectStore,
-                                                    cache: NVMeCache, metrics: EngineMetrics) -> None:
+def test_store_outage_degrades_to_nvme_and_recovers(
+    private_s3_server: Any, private_s3_store: ObjectStore, cache: NVMeCache, metrics: EngineMetrics
+) -> None:
     server, store = private_s3_server, private_s3_store
     engine = make_engine(store, cache, metrics, cooldown=0.5)
     before = keys(3, "before")
@@ -151,10 +161,15 @@ def test_store_outage_degrades_to_nvme_and_recovers(private_s3_server: Any, priv
     during = keys(3, "during")
     engine.store_many([(k, payload(10 + i)) for i, k in enumerate(during)])
     engine.flush(60)
-    assert sample(metrics, "kvstore:stores_dropped_total", reason="store_down") + sample(
-        metrics, "kvstore:stores_dropped_total", reason="error") >= 1
+    assert (
+        sample(metrics, "kvstore:stores_dropped_total", reason="store_down")
+        + sample(metrics, "kvstore:stores_dropped_total", reason="error")
+        >= 1
+    )
     # Reads keep working from NVMe while the store is gone.
-    assert load(engine, before + during) == [payload(i) for i in range(3)] + [payload(10 + i) for i in range(3)]
+    assert load(engine, before + during) == [payload(i) for i in range(3)] + [
+        payload(10 + i) for i in range(3)
+    ]
     assert sample(metrics, "kvstore:object_store_up") == 0
 
     server.start()
