@@ -1,0 +1,89 @@
+"""The `kvstore` command as a user runs it: the embedded default, fsck exit codes, configuration errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from kvstore.cache import NVMeCache
+from kvstore.chunk import encode
+
+KVSTORE = [sys.executable, "-m", "kvstore.admin.cli"]
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "AWS_"))}
+    env.update({"XDG_DATA_HOME": str(tmp_path / "data"), **extra})
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_serve_starts_the_embedded_s3_server_and_stops_it(tmp_path: Path) -> None:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [*KVSTORE, "serve", "--port", str(port)],
+        env=_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        health = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+                break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        assert health is not None and health.status_code == 200, "serve did not come up"
+        assert health.json()["store"]["ok"]
+        creds = tmp_path / "data" / "kvstore" / "s3" / "credentials.json"
+        assert creds.stat().st_mode & 0o777 == 0o600
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert "embedded S3 server: http://127.0.0.1:" in out
+    secret = json.loads(creds.read_text())["secret_key"]
+    assert secret not in out
+    # Nothing left listening: the embedded server went down with the service.
+    weeds = subprocess.run(["pgrep", "-f", str(tmp_path / "data")], capture_output=True, text=True).stdout
+    assert weeds.strip() == ""
+
+
+def test_fsck_exit_codes(tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    with NVMeCache(cache_dir, 1 << 20) as cache:
+        cache.put("a/1.bin", encode(b"x" * 1000))
+        located = cache.locate("a/1.bin")
+        assert located is not None
+    with open(located.path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"y")
+    env = _env(tmp_path, KVSTORE_CACHE_DIR=str(cache_dir), KVSTORE_CACHE_BYTES=str(1 << 20))
+    check = subprocess.run([*KVSTORE, "fsck"], env=env, capture_output=True, text=True)
+    assert check.returncode == 1, check.stdout + check.stderr
+    fix = subprocess.run([*KVSTORE, "fsck", "--fix"], env=env, capture_output=True, text=True)
+    assert fix.returncode == 0, fix.stdout + fix.stderr
+    again = subprocess.run([*KVSTORE, "fsck"], env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_bad_configuration_exits_2_and_names_the_option(tmp_path: Path) -> None:
+    env = _env(tmp_path, KVSTORE_CACHE_BYTES="-1")
+    result = subprocess.run([*KVSTORE, "fsck"], env=env, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "cache_bytes" in result.stderr
