@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from kvstore.admin.app import create_app
 from prometheus_client import CollectorRegistry
 
-from kvstore.admin.app import create_app
 from kvstore.config import load_settings
 from kvstore.metrics import EngineMetrics
 from kvstore.runtime import Node, open_node
