@@ -103,7 +103,7 @@ class KVStoreTier(SecondaryTierManager):
         self.namespace = Namespace.from_fields(mapper.get_run_config(), rank=mapper.rank)
 
         # A registry of our own: the engine process may not export the global one, and tests run several.
-        self._node: Node = open_node(settings, metrics=EngineMetrics(CollectorRegistry()))
+        self._node: Node = open_node(settings, metrics=EngineMetrics(CollectorRegistry()), check_store=False)
         self._engine = self._node.engine
         self._slots = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view
         self._jobs = ThreadPoolExecutor(

@@ -12,6 +12,7 @@ from kvstore.cache import NVMeCache
 from kvstore.config import Settings
 from kvstore.embedded import SeaweedServer, ensure_embedded_server
 from kvstore.engine import TieredStore
+from kvstore.errors import StoreUnavailable
 from kvstore.metrics import EngineMetrics
 from kvstore.stores import ObjectStore, open_store
 
@@ -64,10 +65,19 @@ def open_object_store(settings: Settings) -> tuple[ObjectStore, SeaweedServer | 
     return store, server
 
 
-def open_node(settings: Settings, *, metrics: EngineMetrics | None = None) -> Node:
+def open_node(settings: Settings, *, metrics: EngineMetrics | None = None, check_store: bool = True) -> Node:
+    """Open store, cache and engine.
+
+    `check_store=False` tolerates an unreachable store (the vLLM tier must start and serve from NVMe or
+    recompute while S3 is down); bad credentials or a missing bucket still fail."""
     store, server = open_object_store(settings)
     try:
-        store.check()
+        try:
+            store.check()
+        except StoreUnavailable as exc:
+            if check_store:
+                raise
+            log.warning("object store unreachable at start-up, continuing without it for now: %s", exc)
         cache = NVMeCache(settings.cache_dir, settings.cache_bytes)
     except BaseException:
         store.close()
