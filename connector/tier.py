@@ -298,6 +298,8 @@ class KVStoreTier(SecondaryTierManager):
                 medium=Medium.STORAGE,
                 removed=removed,
                 locality=Locality.LOCAL if tier == "nvme" else Locality.REMOTE,
+                ownership=self.tier_type,
+                removal_expected=not removed,  # NVMe evicts and GC deletes: keep metadata for BlockRemoved
             )
             for (tier, removed), keys in grouped.items()
         ]

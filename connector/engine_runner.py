@@ -1,0 +1,405 @@
+"""Run a real vLLM (CPU) engine in a subprocess for connector tests.
+
+Why a subprocess: vLLM starts its own engine-core process, installs signal handlers,
+holds global state (Prometheus registry, distributed groups) and leaves files in /dev/shm
+and /tmp. Keeping it out of the pytest process lets every test start a clean engine and
+lets the harness clean up whatever the engine left, even when it crashes.
+
+API (the only thing tests need)::
+
+    run = run_engine(model_dir, prompts, kv_transfer_config=cfg, max_tokens=8)
+    run.results[i].num_cached_tokens   # prefix-cache + connector hits for prompt i
+    run.results[i].token_ids           # greedy (temperature 0) output tokens
+    run.metric("vllm:external_prefix_cache_hits")   # engine metrics (LLM.get_metrics)
+    run.start_s, run.wall_s            # engine start time, whole-subprocess time
+    run.kv_events                      # with capture_kv_events=True: decoded KVEventBatch
+                                       # dicts, e.g. {"type": "BlockStored", "medium": ...}
+
+Prompts run one ``generate`` call at a time, in order, so a later prompt sees what an
+earlier one stored. This file is also the subprocess entry point (``__main__`` guard).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EngineError", "EngineRun", "RequestResult", "run_engine", "shm_snapshot"]
+
+SHM = Path("/dev/shm")
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """What one prompt produced."""
+
+    prompt_len: int
+    num_cached_tokens: int
+    token_ids: list[int]
+    text: str
+    # Per output position: {token_id: logprob} of the top candidates (when requested).
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class EngineRun:
+    """Outcome of one engine subprocess."""
+
+    results: list[RequestResult]
+    # Flat snapshot: "name" or "name{label=value,...}" -> value (histograms: _count, _sum).
+    metrics: dict[str, float]
+    start_s: float
+    generate_s: list[float]
+    wall_s: float
+    # Events published over ZMQ (capture_kv_events=True), each a plain dict with a "type".
+    kv_events: list[dict[str, Any]] = field(default_factory=list)
+    # What the engine left in /dev/shm and its private TMPDIR (removed by the harness).
+    leftovers: list[str] = field(default_factory=list)
+    log_tail: str = ""
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of a metric over every label set that includes ``labels``."""
+        total = 0.0
+        for key, value in self.metrics.items():
+            base, _, rest = key.partition("{")
+            if base != name:
+                continue
+            have = dict(kv.split("=", 1) for kv in rest.rstrip("}").split(",") if kv)
+            if all(have.get(k) == v for k, v in labels.items()):
+                total += value
+        return total
+
+
+class EngineError(RuntimeError):
+    """The engine subprocess failed; the message carries its log tail."""
+
+
+def shm_snapshot() -> set[str]:
+    """Names in /dev/shm (vLLM leaves offload regions and shared-memory buffers there)."""
+    try:
+        return set(os.listdir(SHM))
+    except OSError:
+        return set()
+
+
+def run_engine(
+    model: str | os.PathLike[str],
+    prompts: list[str] | list[list[int]],
+    *,
+    kv_transfer_config: dict[str, Any] | None = None,
+    kv_events_config: dict[str, Any] | None = None,
+    capture_kv_events: bool = False,
+    max_tokens: int = 8,
+    logprobs: int | None = None,
+    max_model_len: int = 8192,
+    kv_cache_bytes: int = 256 * 2**20,
+    settle_s: float = 1.0,
+    pause_s: float = 0.0,
+    between: Callable[[int], None] | None = None,
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+    engine_args: dict[str, Any] | None = None,
+) -> EngineRun:
+    """Start an engine in a subprocess, run ``prompts`` one by one, shut it down, clean up.
+
+    ``settle_s`` is slept after the last prompt so asynchronous offloads (primary tier ->
+    secondary tiers) finish before shutdown; the engine keeps stepping while the tiering
+    manager reports pending work. ``capture_kv_events`` enables vLLM's ZMQ event publisher
+    on an ipc socket and subscribes to it inside the subprocess. ``between(i)`` runs in this
+    process after prompt ``i`` finished and before prompt ``i + 1`` starts, while the engine
+    waits (e.g. to stop a server mid-run). New /dev/shm entries and the engine's private
+    TMPDIR are removed whatever happens.
+    """
+    spec = {
+        "model": str(model),
+        "prompts": prompts,
+        "kv_transfer_config": kv_transfer_config,
+        "kv_events_config": kv_events_config,
+        "capture_kv_events": capture_kv_events,
+        "max_tokens": max_tokens,
+        "logprobs": logprobs,
+        "max_model_len": max_model_len,
+        "kv_cache_bytes": kv_cache_bytes,
+        "settle_s": settle_s,
+        "pause_s": pause_s,
+        "between": between is not None,
+        "engine_args": engine_args or {},
+    }
+    before = shm_snapshot()
+    work = Path(tempfile.mkdtemp(prefix="kvstore-engine-"))
+    child_tmp = work / "tmp"
+    child_tmp.mkdir()
+    (work / "spec.json").write_text(json.dumps(spec))
+    child_env = {
+        **os.environ,
+        "TMPDIR": str(child_tmp),  # ZMQ ipc sockets and other temp files land here
+        "VLLM_RPC_BASE_PATH": str(child_tmp),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_CONFIGURE_LOGGING": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in the subprocess itself
+        **(env or {}),
+    }
+    log_path = work / "engine.log"
+    started = time.perf_counter()
+    try:
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), str(work)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=child_env,
+                start_new_session=True,  # lets us kill the whole engine process group
+            )
+            try:
+                rc = _wait(proc, work, between, deadline=time.monotonic() + timeout_s)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                raise EngineError(f"engine timed out after {timeout_s}s\n{_tail(log_path)}") from None
+        _kill_group(proc)  # stragglers (engine core) that outlived the parent
+        wall = time.perf_counter() - started
+        out_path = work / "result.json"
+        if rc != 0 or not out_path.exists():
+            raise EngineError(f"engine exited with {rc}\n{_tail(log_path)}")
+        out = json.loads(out_path.read_text())
+        leftovers = sorted(str(SHM / n) for n in shm_snapshot() - before)
+        leftovers += sorted(str(p) for p in child_tmp.iterdir())
+        return EngineRun(
+            results=[_request_result(r) for r in out["results"]],
+            metrics=out["metrics"],
+            start_s=out["start_s"],
+            generate_s=out["generate_s"],
+            kv_events=out["kv_events"],
+            wall_s=wall,
+            leftovers=leftovers,
+            log_tail=_tail(log_path),
+        )
+    finally:
+        _remove_new_shm(before)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _wait(
+    proc: subprocess.Popen[bytes], work: Path, between: Callable[[int], None] | None, deadline: float
+) -> int:
+    """Wait for the engine, running `between(i)` whenever it pauses after prompt i."""
+    if between is None:
+        return proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    handled = 0
+    while True:
+        rc = proc.poll()
+        if rc is not None:
+            return rc
+        if (work / f"paused_{handled}").exists():
+            between(handled)
+            (work / f"resume_{handled}").touch()
+            handled += 1
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(proc.args, 0)
+        time.sleep(0.05)
+
+
+def _request_result(raw: dict[str, Any]) -> RequestResult:
+    if raw.get("logprobs") is not None:  # JSON object keys are strings
+        raw["logprobs"] = [{int(k): v for k, v in pos.items()} for pos in raw["logprobs"]]
+    return RequestResult(**raw)
+
+
+def _tail(path: Path, n: int = 6000) -> str:
+    try:
+        return path.read_bytes()[-n:].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """Kill the session the engine subprocess leads (only processes we started)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, 9)
+    with contextlib.suppress(Exception):
+        proc.wait(timeout=10)
+
+
+def _remove_new_shm(before: set[str]) -> None:
+    """Remove /dev/shm entries created during the run that look like vLLM's or torch's."""
+    prefixes = ("vllm", "psm_", "torch_", "sem.mp-", "sem.loky-", "wrk_", "__KMP")
+    for name in shm_snapshot() - before:
+        if name.startswith(prefixes):
+            path = SHM / name
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+
+# ---------------------------------------------------------------- subprocess side
+
+
+def _flat_metrics(metrics: list[Any]) -> dict[str, float]:
+    """Flatten vLLM's metric snapshot (Counter/Gauge/Histogram/Vector) to name{labels}."""
+    flat: dict[str, float] = {}
+    for m in metrics:
+        labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()))
+        key = f"{m.name}{{{labels}}}" if labels else m.name
+        kind = type(m).__name__
+        if kind == "Histogram":
+            flat[key.replace(m.name, m.name + "_count", 1)] = float(m.count)
+            flat[key.replace(m.name, m.name + "_sum", 1)] = float(m.sum)
+        elif kind == "Vector":
+            for i, v in enumerate(m.values):
+                flat[key.replace(m.name, f"{m.name}[{i}]", 1)] = float(v)
+        else:
+            flat[key] = float(m.value)
+    return flat
+
+
+class _EventCollector:
+    """Subscribes to vLLM's KV-event publisher and decodes each ``KVEventBatch``.
+
+    Wire format: multipart ``[topic, seq (8 bytes, big endian), msgpack(KVEventBatch)]``;
+    the batch is array-like ``[ts, events, data_parallel_rank]`` and each event a tagged map.
+    """
+
+    def __init__(self, endpoint: str) -> None:
+        import threading
+
+        import zmq
+
+        self.events: list[dict[str, Any]] = []
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.connect(endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        while not self._stop.is_set():
+            if not self._sock.poll(100, zmq.POLLIN):
+                continue
+            _topic, _seq, payload = self._sock.recv_multipart()
+            batch = decoder.decode(payload)
+            for event in batch.events:
+                raw = msgspec.to_builtins(event)
+                raw["type"] = type(event).__name__
+                self.events.append(raw)
+
+    def close(self) -> list[dict[str, Any]]:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close(linger=0)
+        self._ctx.term()
+        return self.events
+
+
+def _child(work: Path) -> None:
+    spec = json.loads((work / "spec.json").read_text())
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = {
+        "model": spec["model"],
+        "dtype": "bfloat16",
+        "enforce_eager": True,
+        "max_model_len": spec["max_model_len"],
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": spec["max_model_len"],
+        "kv_cache_memory_bytes": spec["kv_cache_bytes"],
+        "seed": 0,
+        "disable_log_stats": False,
+        "enable_prefix_caching": True,
+        # One process instead of three (front end, engine core, worker): each would import
+        # vLLM again (~6 s apiece on these machines).
+        "distributed_executor_backend": "uni",
+    }
+    if spec["kv_transfer_config"] is not None:
+        kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    collector: _EventCollector | None = None
+    if spec["capture_kv_events"]:
+        endpoint = f"ipc://{work / 'tmp' / 'kv-events.sock'}"
+        kwargs["kv_events_config"] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": endpoint,
+            **(spec["kv_events_config"] or {}),
+        }
+        collector = _EventCollector(endpoint)
+    elif spec["kv_events_config"] is not None:
+        kwargs["kv_events_config"] = spec["kv_events_config"]
+    kwargs.update(spec["engine_args"])
+    llm = LLM(**kwargs)
+    start_s = time.perf_counter() - t0
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, logprobs=spec["logprobs"]
+    )
+    results: list[dict[str, Any]] = []
+    generate_s: list[float] = []
+    for i, prompt in enumerate(spec["prompts"]):
+        if i:
+            time.sleep(spec["pause_s"])
+            if spec["between"]:
+                (work / f"paused_{i - 1}").touch()
+                while not (work / f"resume_{i - 1}").exists():
+                    time.sleep(0.05)
+        p = TokensPrompt(prompt_token_ids=prompt) if isinstance(prompt, list) else prompt
+        g0 = time.perf_counter()
+        (out,) = llm.generate([p], params, use_tqdm=False)
+        generate_s.append(time.perf_counter() - g0)
+        results.append(
+            {
+                "prompt_len": len(out.prompt_token_ids or []),
+                "num_cached_tokens": int(out.num_cached_tokens or 0),
+                "token_ids": list(out.outputs[0].token_ids),
+                "text": out.outputs[0].text,
+                "logprobs": (
+                    [{tid: lp.logprob for tid, lp in pos.items()} for pos in out.outputs[0].logprobs]
+                    if out.outputs[0].logprobs is not None
+                    else None
+                ),
+            }
+        )
+    time.sleep(spec["settle_s"])
+    try:
+        metrics = _flat_metrics(llm.get_metrics())
+    except Exception:  # metrics are best effort; results matter more
+        metrics = {}
+    events = collector.close() if collector is not None else []
+    (work / "result.json").write_text(
+        json.dumps(
+            {
+                "results": results,
+                "metrics": metrics,
+                "start_s": start_s,
+                "generate_s": generate_s,
+                "kv_events": events,
+            },
+            default=repr,
+        )
+    )
+    del llm  # orderly shutdown: tiers drain, the engine core exits and unlinks its region
+
+
+if __name__ == "__main__":
+    _child(Path(sys.argv[1]))
