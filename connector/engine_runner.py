@@ -22,7 +22,6 @@ earlier one stored. This file is also the subprocess entry point (``__main__`` g
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 import json
 import os
 import shutil
@@ -30,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

@@ -14,6 +14,7 @@ marked missing, so the scheduler does not ask for it again and again.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 from collections import deque
@@ -202,6 +203,10 @@ class KVStoreTier(SecondaryTierManager):
             log.warning("KVStoreTier: %d chunks were not uploaded before shutdown", len(report.not_uploaded))
         self._node.cache.close()
         self._node.store.close()
+        # vLLM unmaps the primary region next: no view of ours may outlive this call, including slices
+        # kept alive only by reference cycles (exception tracebacks, closures of finished jobs).
+        gc.collect()
+        self._slots.release()
 
     @classmethod
     @override

@@ -14,7 +14,6 @@ and checks, with a perturbed prompt, that a wrong prefix KV would have shown up 
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 

