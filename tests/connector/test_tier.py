@@ -149,7 +149,7 @@ def test_corrupt_chunks_are_never_served(
     ref = cold.results[0]
 
     with NVMeCache(cache_dir, 1 << 30) as cache:
-        keys = sorted(k for k in cache.keys() if k.endswith(".bin"))
+        keys = sorted(k for k in cache.keys() if k.endswith(".bin"))  # noqa: SIM118 - not a dict
         assert len(keys) >= 4
         bad_nvme, bad_object = keys[1], keys[2]
         located = cache.locate(bad_nvme)
