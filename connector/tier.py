@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import gc
 import logging
+import queue
 import threading
 from collections import deque
-from collections.abc import Collection, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvstore.connector.tier_metrics import TierStats, metric_definitions
@@ -107,11 +107,22 @@ class KVStoreTier(SecondaryTierManager):
         self._node: Node = open_node(settings, metrics=EngineMetrics(CollectorRegistry()), check_store=False)
         self._engine = self._node.engine
         self._slots = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view
-        self._jobs = ThreadPoolExecutor(
-            max_workers=int(options.get("job_workers", 4)), thread_name_prefix="kvstore-tier"
+        # Jobs go through a SimpleQueue (a lock-free put) to our own threads: ThreadPoolExecutor.submit
+        # takes locks that its workers contend for, and each contended lock can cost the scheduler a GIL
+        # hand-off (milliseconds) while I/O threads are busy.
+        self._jobs: queue.SimpleQueue[tuple[Callable[[TransferJob], JobResult], TransferJob] | None] = (
+            queue.SimpleQueue()
         )
+        self._workers = [
+            threading.Thread(target=self._job_loop, name=f"kvstore-tier-{i}", daemon=True)
+            for i in range(int(options.get("job_workers", 4)))
+        ]
+        self._closed = False
+        # Job accounting without locks on the scheduler thread: it alone counts submissions and reported
+        # results; job threads only append to the deque (atomic) and notify `drain_jobs`.
         self._finished: deque[JobResult] = deque()
-        self._in_flight = 0
+        self._submitted = 0
+        self._reported = 0
         self._idle = threading.Condition()
         self._unprobed: list[str] = []
         self._stats = TierStats(self._engine.metrics)
@@ -124,7 +135,9 @@ class KVStoreTier(SecondaryTierManager):
             if options.get("access_records", True)
             else None
         )
-        self._jobs.submit(self._publish_namespace)
+        for worker in self._workers:
+            worker.start()
+        threading.Thread(target=self._publish_namespace, name="kvstore-tier-namespace", daemon=True).start()
         log.info(
             "KVStoreTier ready: namespace %s, store %s, cache %s",
             self.namespace.id,
@@ -141,7 +154,7 @@ class KVStoreTier(SecondaryTierManager):
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         chunk = self.namespace.chunk_key(key)
-        found = self._engine.lookup([chunk], wait=False, probe=False)[0]
+        found = self._engine.lookup_cached(chunk)
         if found is Presence.PENDING:
             self._unprobed.append(chunk)  # probed as one batch at the end of the step
             return LookupResult.RETRY
@@ -155,7 +168,10 @@ class KVStoreTier(SecondaryTierManager):
 
     @override
     def has_pending_work(self) -> bool:
-        return bool(self._unprobed) or self._engine.probes_in_flight > 0 or self._in_flight > 0
+        return bool(self._unprobed) or self._engine.probes_in_flight > 0 or self._in_flight() > 0
+
+    def _in_flight(self) -> int:
+        return self._submitted - self._reported - len(self._finished)
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -177,6 +193,7 @@ class KVStoreTier(SecondaryTierManager):
         done: list[JobResult] = []
         while self._finished:
             done.append(self._finished.popleft())
+        self._reported += len(done)
         return done
 
     @override
@@ -190,12 +207,16 @@ class KVStoreTier(SecondaryTierManager):
     def drain_jobs(self) -> None:
         # Jobs are never cancelled halfway: wait for every submitted one to report.
         with self._idle:
-            self._idle.wait_for(lambda: self._in_flight == 0)
+            self._idle.wait_for(lambda: self._in_flight() == 0)
 
     @override
     def shutdown(self) -> None:
         self.drain_jobs()
-        self._jobs.shutdown(wait=True)
+        self._closed = True
+        for _ in self._workers:
+            self._jobs.put(None)
+        for worker in self._workers:
+            worker.join()
         if self._access is not None:
             self._access.close()
         report = self._engine.close(flush=True, timeout=10.0)
@@ -221,26 +242,26 @@ class KVStoreTier(SecondaryTierManager):
 
     # ----------------------------------------------------------- job threads
 
-    def _start_job(self, run: Any, job: TransferJob) -> None:
-        with self._idle:
-            self._in_flight += 1
-        try:
-            self._jobs.submit(self._run_job, run, job)
-        except RuntimeError:  # executor shut down: report the job as failed, still exactly once
+    def _start_job(self, run: Callable[[TransferJob], JobResult], job: TransferJob) -> None:
+        self._submitted += 1
+        if self._closed:  # after shutdown: fail the job, still reported exactly once
             self._finish(JobResult(job_id=job.job_id, success=False))
+        else:
+            self._jobs.put((run, job))
 
-    def _run_job(self, run: Any, job: TransferJob) -> None:
-        try:
-            result = run(job)
-        except Exception:  # never let a job vanish: vLLM would wait for it forever
-            log.exception("KVStoreTier job %s failed", job.job_id)
-            result = JobResult(job_id=job.job_id, success=False)
-        self._finish(result)
+    def _job_loop(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            run, job = item
+            try:
+                result = run(job)
+            except Exception:  # never let a job vanish: vLLM would wait for it forever
+                log.exception("KVStoreTier job %s failed", job.job_id)
+                result = JobResult(job_id=job.job_id, success=False)
+            self._finish(result)
 
     def _finish(self, result: JobResult) -> None:
         self._finished.append(result)
         with self._idle:
-            self._in_flight -= 1
             self._idle.notify_all()
 
     def _slot(self, chunk_id: int) -> memoryview:

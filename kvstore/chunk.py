@@ -108,7 +108,7 @@ def read_verified(f: Readable, dest: memoryview, expected: bytes) -> None:
         raise ChecksumMismatch("chunk checksum mismatch: the stored bytes are corrupt")
 
 
-def parse_header(buf: bytes | memoryview) -> ChunkHeader:
+def parse_header(buf: bytes | bytearray | memoryview) -> ChunkHeader:
     """Parse and sanity-check the 64-byte header at the start of `buf`."""
     if len(buf) < HEADER_SIZE:
         raise ChunkFormatError(f"truncated chunk: {len(buf)} bytes, header needs {HEADER_SIZE}")

@@ -1,53 +1,59 @@
-"""An expiring, bounded cache of object-store existence answers.
+"""Where chunks are, as far as this process knows: an expiring, bounded answer cache.
 
-Object stores answer "does this chunk exist?" with a network round trip; the scheduler asks the same
-question many times while a request waits. Positive answers live long (content-addressed chunks only
-disappear through GC), negative answers briefly (another node may upload the chunk any moment).
+The vLLM scheduler asks about the same chunks many times while a request waits, and it must never block.
+So its lookups read only this cache (a plain dict read: no lock, no I/O); a background thread fills it from
+the LMDB index and batched object-store probes. Answers expire: "in the object store" lives long
+(content-addressed chunks only disappear through GC), "missing" briefly (another node may upload it any
+moment), "on this node" in between (another process on the node may evict it; a load then falls back to
+the object store, so a stale answer costs a little time, never a wrong byte).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
+from enum import Enum
 
 
-class ProbeCache:
+class Presence(Enum):
+    LOCAL = "local"  # on this node (NVMe, or still in the upload queue): loadable without the network
+    REMOTE = "remote"  # in the object store
+    MISS = "miss"
+    PENDING = "pending"  # not known yet: a probe is (or should be) on its way; ask again
+
+
+class AnswerCache:
     def __init__(
         self,
-        hit_ttl_s: float,
+        *,
+        local_ttl_s: float,
+        remote_ttl_s: float,
         miss_ttl_s: float,
         max_entries: int = 1_000_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._hit_ttl = hit_ttl_s
-        self._miss_ttl = miss_ttl_s
+        self._ttl = {Presence.LOCAL: local_ttl_s, Presence.REMOTE: remote_ttl_s, Presence.MISS: miss_ttl_s}
         self._max = max_entries
         self._clock = clock
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[str, tuple[bool, float]] = OrderedDict()
+        self._write_lock = threading.Lock()
+        self._entries: dict[str, tuple[Presence, float]] = {}  # insertion order = eviction order
 
-    def get(self, key: str) -> bool | None:
-        """True/False while a fresh answer is known, else None."""
-        with self._lock:
-            found = self._entries.get(key)
-            if found is None:
-                return None
-            present, expires = found
-            if self._clock() >= expires:
-                del self._entries[key]
-                return None
-            return present
+    def get(self, key: str) -> Presence | None:
+        """A fresh answer, or None. Lock-free: a dict read is atomic, and writers replace whole tuples."""
+        found = self._entries.get(key)
+        if found is None or self._clock() >= found[1]:
+            return None
+        return found[0]
 
-    def set(self, key: str, present: bool) -> None:
-        ttl = self._hit_ttl if present else self._miss_ttl
-        with self._lock:
-            self._entries[key] = (present, self._clock() + ttl)
-            self._entries.move_to_end(key)
+    def set(self, key: str, answer: Presence) -> None:
+        expires = self._clock() + self._ttl[answer]
+        with self._write_lock:
+            self._entries.pop(key, None)
+            self._entries[key] = (answer, expires)
             while len(self._entries) > self._max:
-                self._entries.popitem(last=False)
+                del self._entries[next(iter(self._entries))]
 
     def forget(self, key: str) -> None:
-        with self._lock:
+        with self._write_lock:
             self._entries.pop(key, None)

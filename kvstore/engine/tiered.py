@@ -20,19 +20,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from enum import Enum
 
 from kvstore.cache import NVMeCache
-from kvstore.chunk import HEADER_SIZE, Codec, decode, decode_into, encode, parse_header, read_verified
-from kvstore.engine.probes import ProbeCache
+from kvstore.chunk import HEADER_SIZE, Codec, checksum, decode, decode_into, encode, parse_header
+from kvstore.engine.probes import AnswerCache, Presence
 from kvstore.engine.uploads import UploadQueue
-from kvstore.errors import ChunkError, ChunkFormatError, ConfigError, KVStoreError, StoreError
+from kvstore.errors import (
+    ChecksumMismatch,
+    ChunkError,
+    ChunkFormatError,
+    ConfigError,
+    KVStoreError,
+    StoreError,
+)
 from kvstore.metrics import EngineMetrics
 from kvstore.stores import ObjectStore
 
@@ -40,13 +48,6 @@ log = logging.getLogger(__name__)
 
 _MAX_PENDING_PROBES = 65_536
 _MAX_EVENTS = 65_536
-
-
-class Presence(Enum):
-    LOCAL = "local"  # on this node (NVMe, or still in the upload queue): loadable without the network
-    REMOTE = "remote"  # in the object store
-    MISS = "miss"
-    PENDING = "pending"  # an existence probe is in flight; ask again
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class TieredStore:
         admission_queue_bytes: int = 256 << 20,
         probe_hit_ttl_s: float = 600.0,
         probe_miss_ttl_s: float = 2.0,
+        local_ttl_s: float = 30.0,
         outage_cooldown_s: float = 5.0,
         metrics: EngineMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -101,8 +103,12 @@ class TieredStore:
         self._clock = clock
         self._cooldown = outage_cooldown_s
         self._down_until = 0.0
-        self._probes = ProbeCache(probe_hit_ttl_s, probe_miss_ttl_s, clock=clock)
+        self._answers = AnswerCache(
+            local_ttl_s=local_ttl_s, remote_ttl_s=probe_hit_ttl_s, miss_ttl_s=probe_miss_ttl_s, clock=clock
+        )
+        self._probe_requests: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
         self._probing: set[str] = set()
+        self._touches: deque[Sequence[str]] = deque()
         self._lock = threading.Lock()
         self._events: deque[ChunkEvent] = deque(maxlen=_MAX_EVENTS)
         self._admission_budget = admission_queue_bytes
@@ -115,17 +121,22 @@ class TieredStore:
             threading.Thread(target=self._upload_loop, name=f"kvstore-upload-{i}", daemon=True)
             for i in range(upload_workers if store is not None else 0)
         ]
-        for thread in self._upload_threads:
+        self._prober = threading.Thread(target=self._probe_loop, name="kvstore-probe", daemon=True)
+        for thread in [*self._upload_threads, self._prober]:
             thread.start()
+        self._m_queries = {t: self.metrics.queries.labels(t) for t in ("nvme", "object")}
+        self._m_hits = {t: self.metrics.hits.labels(t) for t in ("nvme", "object")}
         if cache is not None:
             self.metrics.track_nvme_usage(lambda: _usage_pair(cache))
 
     # ---------------------------------------------------------------- lookup
 
-    def lookup(self, keys: Sequence[str], *, wait: bool = True, probe: bool = True) -> list[Presence]:
-        """Where each chunk can be loaded from. With `wait=False` unknown keys come back PENDING while a
-        batched existence probe runs in the background (`probe=False`: the caller batches them itself
-        through `probe_async`); call again to get the answer."""
+    def lookup(self, keys: Sequence[str], *, wait: bool = True) -> list[Presence]:
+        """Where each chunk can be loaded from, asking the index and (batched) the object store now.
+
+        With `wait=False` unknown keys come back PENDING and are probed in the background. Tools use this;
+        the vLLM scheduler uses `lookup_cached`, which never touches LMDB or the network.
+        """
         local = self.cache.contains_many(keys) if self.cache is not None else [False] * len(keys)
         out: list[Presence] = []
         unknown: list[int] = []
@@ -134,86 +145,158 @@ class TieredStore:
             if local[i] or self._uploads.pending(key) is not None:
                 out.append(Presence.LOCAL)
                 continue
-            known = self._probes.get(key) if store_usable else False
-            if known is None:
+            known = self._answers.get(key) if store_usable else Presence.MISS
+            if known in (Presence.REMOTE, Presence.MISS):
+                out.append(known)
+            else:
                 unknown.append(i)
                 out.append(Presence.PENDING)
-            else:
-                out.append(Presence.REMOTE if known else Presence.MISS)
         if unknown:
             batch = [keys[i] for i in unknown]
             if wait:
-                for i, present in zip(unknown, self._probe(batch), strict=True):
+                for i, present in zip(unknown, self._probe_store(batch), strict=True):
                     out[i] = Presence.REMOTE if present else Presence.MISS
-            elif probe:
+            else:
                 self.probe_async(batch)
-        self._count_lookup(out)
+        for answer in out:
+            self._count(answer)
         return out
+
+    def lookup_cached(self, key: str) -> Presence:
+        """The scheduler's lookup: memory only, never blocks. PENDING: ask again after `probe_async`."""
+        if self._uploads.pending(key) is not None:
+            answer = Presence.LOCAL
+        else:
+            found = self._answers.get(key)
+            if found is None:
+                return Presence.PENDING
+            answer = Presence.MISS if found is Presence.REMOTE and not self._store_available() else found
+        self._count(answer)
+        return answer
+
+    def _count(self, answer: Presence) -> None:
+        if answer is Presence.PENDING:
+            return
+        if self.cache is not None:
+            self._m_queries["nvme"].inc()
+            if answer is Presence.LOCAL:
+                self._m_hits["nvme"].inc()
+                return
+        if self.store is not None:
+            self._m_queries["object"].inc()
+            if answer is Presence.REMOTE:
+                self._m_hits["object"].inc()
 
     def mark_missing(self, key: str) -> None:
         """Remember that `key` could not be loaded, so lookups answer MISS instead of promising it again."""
-        self._probes.set(key, False)
+        self._answers.set(key, Presence.MISS)
 
-    def _count_lookup(self, answers: list[Presence]) -> None:
-        local = sum(1 for p in answers if p is Presence.LOCAL)
-        remote = sum(1 for p in answers if p is Presence.REMOTE)
-        missed = sum(1 for p in answers if p is Presence.MISS)
-        if self.cache is not None:
-            self.metrics.queries.labels("nvme").inc(
-                len(answers) - sum(p is Presence.PENDING for p in answers)
-            )
-            self.metrics.hits.labels("nvme").inc(local)
-        if self.store is not None and remote + missed:
-            self.metrics.queries.labels("object").inc(remote + missed)
-            self.metrics.hits.labels("object").inc(remote)
+    def probe_async(self, keys: Sequence[str]) -> None:
+        """Find out where `keys` are, in the background: the index first, then one batched store probe.
+        Never blocks (the scheduler calls it)."""
+        if keys:
+            self._probe_requests.put(list(keys))
 
-    def _probe(self, keys: Sequence[str]) -> list[bool]:
-        assert self.store is not None
+    @property
+    def probes_in_flight(self) -> int:
+        return len(self._probing) + self._probe_requests.qsize()
+
+    def _probe_store(self, keys: Sequence[str]) -> list[bool]:
+        if self.store is None or not self._store_available():
+            return [False] * len(keys)
         try:
             found = self.store.exists_many(keys)
         except StoreError as exc:
             self._store_failed("exists", exc)
             return [False] * len(keys)
         for key, present in zip(keys, found, strict=True):
-            self._probes.set(key, present)
+            self._answers.set(key, Presence.REMOTE if present else Presence.MISS)
         return found
 
-    def probe_async(self, keys: Sequence[str]) -> None:
-        """Ask the object store about `keys` in one background batch; answers land in the probe cache."""
-        if self.store is None or not keys:
-            return
-        with self._lock:
-            fresh = [k for k in keys if k not in self._probing]
-            if not fresh or len(self._probing) + len(fresh) > _MAX_PENDING_PROBES:
-                return  # already asked, or too much in flight: the caller retries
-            self._probing.update(fresh)
-
-        def run() -> None:
+    def _probe_loop(self) -> None:
+        """The one thread that answers probes and applies buffered touches (off the scheduler thread)."""
+        while not self._stopping.is_set():
             try:
-                self._probe(fresh)
+                batch = self._probe_requests.get(timeout=0.2)
+            except queue.Empty:
+                self._apply_touches()
+                continue
+            while len(batch) < _MAX_PENDING_PROBES:
+                try:
+                    batch.extend(self._probe_requests.get_nowait())
+                except queue.Empty:
+                    break
+            keys = [k for k in dict.fromkeys(batch) if self._answers.get(k) is None]
+            self._probing.update(keys)
+            try:
+                self._answer(keys)
+            except Exception:  # a probe must never kill the thread; unanswered keys are asked again
+                log.exception("probe of %d chunks failed", len(keys))
             finally:
-                with self._lock:
-                    self._probing.difference_update(fresh)
+                self._probing.clear()
+            self._apply_touches()
 
-        self._io.submit(run)
+    def _answer(self, keys: list[str]) -> None:
+        local = self.cache.contains_many(keys) if self.cache is not None else [False] * len(keys)
+        elsewhere = []
+        for key, here in zip(keys, local, strict=True):
+            if here:
+                self._answers.set(key, Presence.LOCAL)
+            else:
+                elsewhere.append(key)
+        if elsewhere:
+            if self.store is None or not self._store_available():
+                for key in elsewhere:
+                    self._answers.set(key, Presence.MISS)
+            else:
+                self._probe_store(elsewhere)
+
+    def _apply_touches(self) -> None:
+        if self.cache is None or not self._touches:
+            return
+        keys: list[str] = []
+        while self._touches:
+            keys.extend(self._touches.popleft())
+        try:
+            self.cache.touch(keys)
+        except KVStoreError as exc:
+            log.warning("could not record %d touches: %s", len(keys), exc)
 
     # ------------------------------------------------------------------ load
 
     def load_into(self, items: Sequence[tuple[str, memoryview]]) -> list[bool]:
         """Fill each buffer with its chunk's raw bytes; True where the chunk was found and verified.
         Buffers whose entry is False may hold garbage and must not be used."""
-        if len(items) <= 1:
-            return [self._load_one(key, dest) for key, dest in items]
-        # One task per worker over a stride of the batch: parallel I/O without a future per chunk.
-        stride = min(self._io_workers, len(items))
+        # NVMe hits are served here, one after another: they are memory-speed reads, and fanning them out
+        # only multiplies GIL hand-offs, which cost milliseconds each while vLLM's scheduler thread spins.
+        start = time.perf_counter()
+        out = [self._load_local(key, dest) for key, dest in items]
+        hits = sum(out)
+        if hits:  # metrics once per batch: the per-chunk loop stays as short as possible
+            per_chunk = (time.perf_counter() - start) / len(items)
+            nvme_seconds = self.metrics.read_seconds.labels("nvme")
+            for _ in range(hits):
+                nvme_seconds.observe(per_chunk)
+            self.metrics.read_bytes.labels("nvme").inc(
+                sum(len(d.cast("B")) for (_, d), ok in zip(items, out, strict=True) if ok)
+            )
+        missing = [i for i, ok in enumerate(out) if not ok]
+        if self.store is None or not missing or not self._store_available():
+            return out
+        if len(missing) == 1:
+            i = missing[0]
+            out[i] = self._fetch_remote(items[i][0], items[i][1]) is not None
+            return out
+        # Object GETs wait on the network: one task per worker over a stride of the misses.
+        stride = min(self._io_workers, len(missing))
 
         def run(first: int) -> list[bool]:
-            return [self._load_one(key, dest) for key, dest in items[first::stride]]
+            return [self._fetch_remote(items[i][0], items[i][1]) is not None for i in missing[first::stride]]
 
         parts = [f.result() for f in [self._io.submit(run, i) for i in range(stride)]]
-        out = [False] * len(items)
         for first, part in enumerate(parts):
-            out[first::stride] = part
+            for i, ok in zip(missing[first::stride], part, strict=True):
+                out[i] = ok
         return out
 
     def get(self, key: str) -> bytes | None:
@@ -231,39 +314,46 @@ class TieredStore:
         remote = self._fetch_remote(key)
         return None if remote is None else decode(remote)
 
-    def _load_one(self, key: str, dest: memoryview) -> bool:
+    def _load_local(self, key: str, dest: memoryview) -> bool:
+        """From NVMe, or from the upload queue; False if neither has the chunk (or it failed to verify)."""
         if self.cache is not None and self._load_from_nvme(key, dest):
             return True
         queued = self._uploads.pending(key)
-        if queued is not None:
-            decode_into(queued, dest)  # our own fresh encoding; cannot be corrupt
-            self.metrics.read_bytes.labels("memory").inc(len(dest.cast("B")))
-            return True
-        blob = self._fetch_remote(key, dest)
-        return blob is not None
+        if queued is None:
+            return False
+        decode_into(queued, dest)  # our own fresh encoding; cannot be corrupt
+        return True
 
     def _load_from_nvme(self, key: str, dest: memoryview) -> bool:
         assert self.cache is not None
         located = self.cache.locate(key)
         if located is None:
             return False
-        start = time.perf_counter()
         try:
-            with open(located.path, "rb", buffering=0) as f:
-                head = f.read(HEADER_SIZE)
+            out = dest.cast("B") if dest.ndim != 1 or dest.format != "B" else dest
+            head = bytearray(HEADER_SIZE)
+            # One open and one preadv per chunk: every syscall hands the GIL away, and taking it back from
+            # vLLM's busy scheduler thread can cost milliseconds, so the fast path makes as few as it can.
+            fd = os.open(located.path, os.O_RDONLY)
+            try:
+                got = os.preadv(fd, [head, out], 0)
                 header = parse_header(head)
                 if header.total_length != located.size:
                     raise ChunkFormatError("file length differs from the index")
                 if header.codec is Codec.NONE:
-                    out = dest.cast("B") if dest.ndim != 1 or dest.format != "B" else dest
-                    if len(out) != header.raw_length:
+                    if header.raw_length != len(out) or got != HEADER_SIZE + len(out):
                         raise ChunkFormatError("chunk size differs from the destination slot")
-                    read_verified(f, out, header.checksum)
+                    if checksum(out) != header.checksum:
+                        raise ChecksumMismatch("NVMe copy failed verification")
                 else:
-                    decode_into(head + f.read(), dest)
+                    payload = os.pread(fd, header.payload_length, HEADER_SIZE)
+                    decode_into(bytes(head) + payload, dest)
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             # Evicted by another process after our index read, or lost: forget it if it is still indexed.
             self.cache.forget(key, located.path)
+            self._answers.forget(key)
             return False
         except ChunkError as exc:
             self._reject_nvme(key, exc)
@@ -272,8 +362,6 @@ class TieredStore:
             log.warning("NVMe read of %s failed: %s", key, exc)
             self.metrics.load_failures.labels("nvme").inc()
             return False
-        self.metrics.read_seconds.labels("nvme").observe(time.perf_counter() - start)
-        self.metrics.read_bytes.labels("nvme").inc(header.raw_length)
         return True
 
     def _reject_nvme(self, key: str, exc: ChunkError) -> None:
@@ -281,6 +369,7 @@ class TieredStore:
         log.warning("discarding corrupt NVMe chunk %s: %s", key, exc)
         self.metrics.checksum_failures.labels("nvme").inc()
         self.cache.discard(key)
+        self._answers.forget(key)
         self._emit(key, "nvme", removed=True)
 
     def _fetch_remote(self, key: str, dest: memoryview | None = None) -> bytes | None:
@@ -294,7 +383,7 @@ class TieredStore:
             self._store_failed("get", exc)
             return None
         if blob is None:
-            self._probes.set(key, False)
+            self._answers.set(key, Presence.MISS)
             self.metrics.load_failures.labels("object").inc()
             return None
         try:
@@ -305,14 +394,15 @@ class TieredStore:
         except ChunkError as exc:
             log.warning("deleting corrupt object %s: %s", key, exc)
             self.metrics.checksum_failures.labels("object").inc()
-            self._probes.set(key, False)
+            self._answers.set(key, Presence.MISS)
             with contextlib.suppress(StoreError):
                 self.store.delete(key)  # content-addressed: the next store of this prefix re-uploads it
             self._emit(key, "object", removed=True)
             return None
         self.metrics.read_seconds.labels("object").observe(time.perf_counter() - start)
         self.metrics.read_bytes.labels("object").inc(parse_header(blob).raw_length)
-        self._probes.set(key, True)
+        if self._answers.get(key) is not Presence.LOCAL:
+            self._answers.set(key, Presence.REMOTE)
         self._admit_in_background(key, blob)
         return blob
 
@@ -344,7 +434,7 @@ class TieredStore:
         in_cache = self.cache.contains_many([k for k, _ in items]) if self.cache is not None else None
         for i, (key, raw) in enumerate(items):
             cached = in_cache[i] if in_cache is not None else False
-            remote = self._probes.get(key) is True
+            remote = self._answers.get(key) is Presence.REMOTE
             if cached or remote or self._uploads.pending(key) is not None:
                 skipped += 1
                 continue
@@ -374,6 +464,7 @@ class TieredStore:
             self.metrics.load_failures.labels("nvme").inc()
             return False
         if admitted:
+            self._answers.set(key, Presence.LOCAL)
             self.metrics.write_seconds.labels("nvme").observe(time.perf_counter() - start)
             self.metrics.write_bytes.labels("nvme").inc(len(blob))
             self._emit(key, "nvme", removed=False)
@@ -381,6 +472,7 @@ class TieredStore:
         if evicted:
             self.metrics.evictions.inc(len(evicted))
             for gone in evicted:
+                self._answers.forget(gone)
                 self._emit(gone, "nvme", removed=True)
         return admitted
 
@@ -401,7 +493,8 @@ class TieredStore:
                 self.store.put(key, blob)
                 self.metrics.write_seconds.labels("object").observe(time.perf_counter() - start)
                 self.metrics.write_bytes.labels("object").inc(len(blob))
-                self._probes.set(key, True)
+                if self._answers.get(key) is not Presence.LOCAL:
+                    self._answers.set(key, Presence.REMOTE)
                 self._emit(key, "object", removed=False)
             except StoreError as exc:
                 self._store_failed("put", exc)
@@ -439,12 +532,9 @@ class TieredStore:
                 return out
 
     def touch(self, keys: Sequence[str]) -> None:
+        """Mark chunks used; applied in the background, so the scheduler never waits on the index."""
         if self.cache is not None:
-            self.cache.touch(keys)
-
-    @property
-    def probes_in_flight(self) -> int:
-        return len(self._probing)
+            self._touches.append(keys)
 
     @property
     def upload_queue_bytes(self) -> int:
@@ -460,8 +550,9 @@ class TieredStore:
             self._uploads.wait_empty(timeout)
         not_uploaded = self._uploads.close()
         self._stopping.set()
-        for thread in self._upload_threads:
+        for thread in [*self._upload_threads, self._prober]:
             thread.join(timeout)
+        self._apply_touches()
         self._io.shutdown(wait=True, cancel_futures=True)
         if not_uploaded:
             log.warning("%d chunks were not uploaded before shutdown", len(not_uploaded))

@@ -57,8 +57,8 @@ class UploadQueue:
             self._cond.notify_all()
 
     def pending(self, key: str) -> bytes | None:
-        with self._cond:
-            return self._blobs.get(key)
+        # Lock-free on purpose: called from the scheduler thread; a dict read is atomic.
+        return self._blobs.get(key)
 
     def wait_empty(self, timeout: float) -> bool:
         with self._cond:
