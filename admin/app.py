@@ -19,6 +19,8 @@ from kvstore.runtime import Node
 def create_app(node: Node) -> FastAPI:
     app = FastAPI(title="kvstore admin", version="0.1.0")
     app.state.node = node
+    token = node.settings.admin_token
+    app.state.admin_token = token.get_secret_value() if token is not None else None
 
     @app.get("/healthz")
     def healthz() -> JSONResponse:
