@@ -198,7 +198,10 @@ def bench_vllm(
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            report.scheduler = bench_scheduler(store_url, endpoint, steps=steps)
+            for interval in (0.0, 0.02):
+                report.scheduler.append(
+                    bench_scheduler(store_url, endpoint, steps=steps, step_interval_s=interval)
+                )
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -223,11 +226,11 @@ def bench_vllm(
             f"{row.vs_fs_tier:.2f}x",
         )
     console.print(table)
-    if report.scheduler is not None:
-        s = report.scheduler
+    for s in report.scheduler:
+        pacing = f"{s.step_interval_ms:.0f} ms between steps" if s.step_interval_ms else "steps back to back"
         console.print(
-            f"scheduler thread: {s.mean_ms_per_step:.3f} ms/step mean, {s.p99_ms_per_step:.3f} ms p99 "
-            f"over {s.steps} steps, up to {s.max_in_flight_chunks} chunks in flight"
+            f"scheduler thread ({pacing}): {s.mean_ms_per_step:.3f} ms/step mean, "
+            f"{s.p99_ms_per_step:.3f} ms p99 over {s.steps} steps, up to {s.max_in_flight_chunks} chunks in flight"
         )
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(report.to_json())

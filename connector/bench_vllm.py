@@ -41,6 +41,7 @@ class TTFTRow:
 
 @dataclass
 class SchedulerCost:
+    step_interval_ms: float
     steps: int
     max_in_flight_chunks: int
     mean_ms_per_step: float
@@ -52,7 +53,7 @@ class VLLMReport:
     prompt_tokens: int
     prompts: int
     rows: list[TTFTRow] = field(default_factory=list)
-    scheduler: SchedulerCost | None = None
+    scheduler: list[SchedulerCost] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -126,9 +127,19 @@ def bench_ttft(
 
 
 def bench_scheduler(
-    store_url: str, endpoint: str | None, *, steps: int = 200, chunk_kib: int = 256
+    store_url: str,
+    endpoint: str | None,
+    *,
+    steps: int = 200,
+    chunk_kib: int = 256,
+    step_interval_s: float = 0.0,
 ) -> SchedulerCost:
-    """Per-step time of every scheduler-thread call into the tier, with 1000+ chunks in flight."""
+    """Per-step time of every scheduler-thread call into the tier, with 1000+ chunks in flight.
+
+    `step_interval_s` stands for the model's forward pass between scheduler steps (which releases the
+    GIL); 0 runs steps back to back, the worst case, where the tier's own I/O threads compete with the
+    scheduler thread for the GIL all the time.
+    """
     from kvstore.connector.standalone import standalone_tier
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
     from vllm.v1.kv_offload.tiering.base import TransferJob
@@ -175,10 +186,13 @@ def bench_scheduler(
             in_flight -= 32 * len(finished)
             max_in_flight = max(max_in_flight, in_flight)
             stored.extend(new_keys)
+            if step_interval_s:
+                time.sleep(step_interval_s)
         tier.drain_jobs()
         node.close()
     ordered = sorted(per_step)
     return SchedulerCost(
+        step_interval_ms=step_interval_s * 1e3,
         steps=steps,
         max_in_flight_chunks=max_in_flight,
         mean_ms_per_step=statistics.mean(per_step) * 1e3,
