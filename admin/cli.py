@@ -230,7 +230,8 @@ def bench_vllm(
         pacing = f"{s.step_interval_ms:.0f} ms between steps" if s.step_interval_ms else "steps back to back"
         console.print(
             f"scheduler thread ({pacing}): {s.mean_ms_per_step:.3f} ms/step mean, "
-            f"{s.p99_ms_per_step:.3f} ms p99 over {s.steps} steps, up to {s.max_in_flight_chunks} chunks in flight"
+            f"{s.p99_ms_per_step:.3f} ms p99 over {s.steps} steps, "
+            f"up to {s.max_in_flight_chunks} chunks in flight"
         )
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(report.to_json())
