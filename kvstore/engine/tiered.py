@@ -38,7 +38,6 @@ from kvstore.chunk import (
     decode_into,
     encode,
     parse_header,
-    read_verified,
 )
 from kvstore.engine.probes import AnswerCache, Presence
 from kvstore.engine.uploads import UploadQueue
@@ -56,9 +55,9 @@ from kvstore.stores import ObjectStore
 log = logging.getLogger(__name__)
 
 _MAX_PENDING_PROBES = 65_536
-# Up to this size a chunk is read in one syscall and hashed afterwards (few GIL hand-offs); larger chunks
-# no longer fit the CPU cache, so they are read and hashed piece by piece (one pass over memory).
-_ONE_PASS_MAX = 4 << 20
+# Batches up to this many bytes load from NVMe on the calling thread: memory-speed reads gain nothing from
+# threads, and every extra thread multiplies GIL hand-offs with vLLM's scheduler. Larger batches fan out.
+_SEQUENTIAL_MAX = 32 << 20
 _MAX_EVENTS = 65_536
 
 
@@ -279,10 +278,11 @@ class TieredStore:
     def load_into(self, items: Sequence[tuple[str, memoryview]]) -> list[bool]:
         """Fill each buffer with its chunk's raw bytes; True where the chunk was found and verified.
         Buffers whose entry is False may hold garbage and must not be used."""
-        # NVMe hits are served here, one after another: they are memory-speed reads, and fanning them out
-        # only multiplies GIL hand-offs, which cost milliseconds each while vLLM's scheduler thread spins.
         start = time.perf_counter()
-        out = [self._load_local(key, dest) for key, dest in items]
+        if len(items) > 1 and sum(len(d.cast("B")) for _, d in items) > _SEQUENTIAL_MAX:
+            out = self._in_parallel(items, range(len(items)), self._load_local)
+        else:
+            out = [self._load_local(key, dest) for key, dest in items]
         hits = sum(out)
         if hits:  # metrics once per batch: the per-chunk loop stays as short as possible
             per_chunk = (time.perf_counter() - start) / len(items)
@@ -299,17 +299,31 @@ class TieredStore:
             i = missing[0]
             out[i] = self._fetch_remote(items[i][0], items[i][1]) is not None
             return out
-        # Object GETs wait on the network: one task per worker over a stride of the misses.
-        stride = min(self._io_workers, len(missing))
+        # Object GETs wait on the network: spread them over the workers.
+        for i, ok in zip(missing, self._in_parallel(items, missing, self._fetch_into), strict=True):
+            out[i] = ok
+        return out
+
+    def _in_parallel(
+        self,
+        items: Sequence[tuple[str, memoryview]],
+        indices: Sequence[int],
+        load: Callable[[str, memoryview], bool],
+    ) -> list[bool]:
+        """`load` over `items[indices]`, one task per worker over a stride (no future per chunk)."""
+        stride = min(self._io_workers, len(indices))
 
         def run(first: int) -> list[bool]:
-            return [self._fetch_remote(items[i][0], items[i][1]) is not None for i in missing[first::stride]]
+            return [load(*items[i]) for i in indices[first::stride]]
 
-        parts = [f.result() for f in [self._io.submit(run, i) for i in range(stride)]]
+        parts = [f.result() for f in [self._io.submit(run, first) for first in range(stride)]]
+        out = [False] * len(indices)
         for first, part in enumerate(parts):
-            for i, ok in zip(missing[first::stride], part, strict=True):
-                out[i] = ok
+            out[first::stride] = part
         return out
+
+    def _fetch_into(self, key: str, dest: memoryview) -> bool:
+        return self._fetch_remote(key, dest) is not None
 
     def get(self, key: str) -> bytes | None:
         """A chunk's raw bytes (verified), or None. For tools; the vLLM path uses `load_into`."""
@@ -348,17 +362,14 @@ class TieredStore:
             # vLLM's busy scheduler thread can cost milliseconds, so the fast path makes as few as it can.
             fd = os.open(located.path, os.O_RDONLY)
             try:
-                large = len(out) > _ONE_PASS_MAX
-                got = os.preadv(fd, [head] if large else [head, out], 0)
+                got = os.preadv(fd, [head, out], 0)
                 header = parse_header(head)
                 if header.total_length != located.size:
                     raise ChunkFormatError("file length differs from the index")
                 if header.codec is Codec.NONE:
                     if header.raw_length != len(out):
                         raise ChunkFormatError("chunk size differs from the destination slot")
-                    if large:  # hash each piece while it is still in the CPU cache
-                        read_verified(_FileAt(fd, HEADER_SIZE), out, header.checksum)
-                    elif got != HEADER_SIZE + len(out):
+                    if got != HEADER_SIZE + len(out):
                         raise ChunkFormatError("truncated chunk file")
                     elif checksum(out) != header.checksum:
                         raise ChecksumMismatch("NVMe copy failed verification")
@@ -574,18 +585,6 @@ class TieredStore:
         if not_uploaded:
             log.warning("%d chunks were not uploaded before shutdown", len(not_uploaded))
         return ShutdownReport(not_uploaded=not_uploaded)
-
-
-class _FileAt:
-    """`readinto` over a file descriptor from an offset (for `read_verified`)."""
-
-    def __init__(self, fd: int, offset: int) -> None:
-        self._fd, self._offset = fd, offset
-
-    def readinto(self, buffer: memoryview, /) -> int:
-        n = os.preadv(self._fd, [buffer], self._offset)
-        self._offset += n
-        return n
 
 
 def _usage_pair(cache: NVMeCache) -> tuple[int, int]:
