@@ -27,7 +27,6 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Protocol
 
 import numpy as np
 import xxhash
@@ -85,25 +84,6 @@ def copy_verified(src: bytes | memoryview, dest: memoryview, expected: bytes) ->
         piece = dest[start : start + _PIECE]
         piece[:] = source[start : start + _PIECE]
         hasher.update(piece)
-    if hasher.digest() != expected:
-        raise ChecksumMismatch("chunk checksum mismatch: the stored bytes are corrupt")
-
-
-class Readable(Protocol):
-    def readinto(self, buffer: memoryview, /) -> int | None: ...
-
-
-def read_verified(f: Readable, dest: memoryview, expected: bytes) -> None:
-    """Fill `dest` from file `f` while checksumming it; ChunkFormatError if the file is short."""
-    hasher = xxhash.xxh3_128()
-    start = 0
-    while start < len(dest):
-        piece = dest[start : start + _PIECE]
-        n = f.readinto(piece)
-        if not n:
-            raise ChunkFormatError("truncated chunk file")
-        hasher.update(piece[:n])
-        start += n
     if hasher.digest() != expected:
         raise ChecksumMismatch("chunk checksum mismatch: the stored bytes are corrupt")
 
