@@ -1,19 +1,28 @@
 """The admin HTTP service: a FastAPI app built by `create_app(node)`, so tests build apps with their own node.
 
-Routes here: `/healthz` (store and cache reachability) and `/metrics` (Prometheus). Resource routers (pins,
-warming, GC) plug in beside them.
+Routes here: `/healthz` (store and cache reachability) and `/metrics` (Prometheus), open to all; the `/v1`
+resource routers (GC and jobs, pins) require the admin bearer token when one is configured.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
+from kvstore.admin import routes_gc, routes_pins
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstore.errors import KVStoreError
+from kvstore.pins import pinned_keys
 from kvstore.runtime import Node
+
+
+def bucket_and_node_pins(node: Node) -> Callable[[str], bool]:
+    """GC keeps a chunk if a pin manifest in the bucket names it or this node's cache holds a pin on it."""
+    manifests = pinned_keys(node.store)
+    return lambda key: key in manifests or node.cache.pinned(key) > 0
 
 
 def create_app(node: Node) -> FastAPI:
@@ -21,6 +30,9 @@ def create_app(node: Node) -> FastAPI:
     app.state.node = node
     token = node.settings.admin_token
     app.state.admin_token = token.get_secret_value() if token is not None else None
+    app.state.gc_pinned = bucket_and_node_pins
+    app.include_router(routes_gc.router)
+    app.include_router(routes_pins.router)
 
     @app.get("/healthz")
     def healthz() -> JSONResponse:

@@ -1,7 +1,7 @@
 """The `kvstore` command line. Every command calls the same library functions as the admin API.
 
 Exit codes scripts and cron can rely on: 0 success, 1 a check found problems (fsck), 2 bad usage or
-configuration, 3 the store or cache could not be used.
+configuration, 3 the store or cache could not be used, 4 another GC holds the lease (try later).
 """
 
 from __future__ import annotations
@@ -20,11 +20,15 @@ from kvstore.cache import NVMeCache
 from kvstore.config import Settings, load_settings
 from kvstore.errors import ConfigError, KVStoreError
 
-EXIT_PROBLEMS, EXIT_CONFIG, EXIT_UNAVAILABLE = 1, 2, 3
+EXIT_PROBLEMS, EXIT_CONFIG, EXIT_UNAVAILABLE, EXIT_BUSY = 1, 2, 3, 4
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Object-storage-first KV cache for vLLM.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that compare against a baseline in one run.")
 app.add_typer(bench_app, name="bench")
+pin_app = typer.Typer(
+    no_args_is_help=True, help="Pin manifests in the bucket: nodes and GC keep their chunks."
+)
+app.add_typer(pin_app, name="pin")
 console = Console()
 err = Console(stderr=True)
 
@@ -86,6 +90,190 @@ def fsck(
     console.print_json(json.dumps(report.as_dict()))
     if not report.clean and not fix:
         raise typer.Exit(EXIT_PROBLEMS)
+
+
+@pin_app.command("add")
+def pin_add(
+    name: Annotated[str, typer.Argument(help="Pin name ([A-Za-z0-9._-], up to 128)")],
+    namespace: Annotated[str, typer.Option(help="Namespace id (<model>_<sha12>, as in the bucket)")],
+    prompt: Annotated[str | None, typer.Option(help="Prompt text (needs --model-path)")] = None,
+    token_ids: Annotated[str | None, typer.Option(help="Comma-separated token ids")] = None,
+    model_path: Annotated[Path | None, typer.Option(help="Model dir holding tokenizer.json")] = None,
+    ttl_seconds: Annotated[float | None, typer.Option(help="Expire the pin after this long")] = None,
+) -> None:
+    """Pin the chunks of a prompt (e.g. a system prompt) or of token ids."""
+    from kvstore.pins import create_pin, keys_for_tokens, load_namespace, tokens_from_prompt
+    from kvstore.runtime import open_object_store
+
+    if (prompt is None) == (token_ids is None) or (prompt is not None and model_path is None):
+        err.print("[red]give exactly one of --prompt (with --model-path) or --token-ids[/red]")
+        raise typer.Exit(EXIT_CONFIG)
+    settings = _settings()
+    store, server = open_object_store(settings)
+    try:
+        ns = load_namespace(store, namespace)
+        if token_ids is not None:
+            tokens = [int(t) for t in token_ids.split(",") if t.strip()]
+        else:
+            assert prompt is not None and model_path is not None
+            tokens = tokens_from_prompt(model_path, prompt)
+        manifest = create_pin(store, name, ns, keys_for_tokens(ns, tokens), ttl_seconds=ttl_seconds)
+    except (KVStoreError, ValueError) as exc:
+        err.print(f"[red]cannot pin:[/red] {exc}")
+        raise typer.Exit(
+            EXIT_CONFIG if isinstance(exc, ValueError | ConfigError) else EXIT_UNAVAILABLE
+        ) from None
+    finally:
+        store.close()
+        if server is not None:
+            server.stop()
+    console.print(f"pinned {len(manifest.keys)} chunks as {manifest.name!r}")
+
+
+@pin_app.command("ls")
+def pin_ls() -> None:
+    """List pin manifests."""
+    from kvstore.pins import list_pins
+    from kvstore.runtime import open_object_store
+
+    settings = _settings()
+    store, server = open_object_store(settings)
+    try:
+        pins = list_pins(store)
+    except KVStoreError as exc:
+        err.print(f"[red]cannot list pins:[/red] {exc}")
+        raise typer.Exit(EXIT_UNAVAILABLE) from None
+    finally:
+        store.close()
+        if server is not None:
+            server.stop()
+    table = Table(title="pins")
+    for col in ("name", "namespace", "chunks", "expires"):
+        table.add_column(col)
+    for pin in pins:
+        table.add_row(pin.name, pin.namespace, str(len(pin.keys)), str(pin.expires_at or "never"))
+    console.print(table)
+
+
+@pin_app.command("rm")
+def pin_rm(name: Annotated[str, typer.Argument(help="Pin name")]) -> None:
+    """Delete a pin manifest (its chunks become ordinary cache entries again)."""
+    from kvstore.pins import PinNotFound, delete_pin
+    from kvstore.runtime import open_object_store
+
+    settings = _settings()
+    store, server = open_object_store(settings)
+    try:
+        delete_pin(store, name)
+    except PinNotFound as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(EXIT_PROBLEMS) from None
+    except KVStoreError as exc:
+        err.print(f"[red]cannot delete pin:[/red] {exc}")
+        raise typer.Exit(EXIT_UNAVAILABLE) from None
+    finally:
+        store.close()
+        if server is not None:
+            server.stop()
+    console.print(f"deleted pin {name!r}")
+
+
+@app.command()
+def migrate() -> None:
+    """Apply the numbered migrations to this node's cache index and to the bucket layout."""
+    from kvstore.migrations.runner import migrate as run_migrations
+
+    from kvstore.runtime import open_object_store
+
+    settings = _settings()
+    store, server = open_object_store(settings)
+    try:
+        applied = run_migrations(cache_dir=settings.cache_dir, store=store)
+    except KVStoreError as exc:
+        err.print(f"[red]migration failed:[/red] {exc}")
+        raise typer.Exit(EXIT_UNAVAILABLE) from None
+    finally:
+        store.close()
+        if server is not None:
+            server.stop()
+    for step in applied:
+        console.print(f"applied {step.target} migration {step.version}: {step.describe}")
+    if not applied:
+        console.print("nothing to migrate: cache index and bucket are up to date")
+
+
+@app.command()
+def gc(
+    ttl_seconds: Annotated[float, typer.Option(help="Delete unpinned chunks idle longer than this")] = 7
+    * 86400,
+    max_bytes: Annotated[
+        int | None, typer.Option(help="Then delete oldest-first down to this many bytes")
+    ] = None,
+    grace_seconds: Annotated[float, typer.Option(help="Never touch objects younger than this")] = 3600,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Report what would be deleted, delete nothing")
+    ] = False,
+) -> None:
+    """Garbage-collect the bucket (run it from cron): TTL, then a byte budget; pins and young objects stay."""
+    from kvstore.gc import run_gc
+    from kvstore.lease import LeaseHeld
+    from kvstore.pins import pinned_keys
+    from kvstore.runtime import open_object_store
+
+    settings = _settings()
+    store, server = open_object_store(settings)
+    try:
+        store.check()
+        manifests = pinned_keys(store)
+        report = run_gc(
+            store,
+            ttl_seconds=ttl_seconds,
+            max_bytes=max_bytes,
+            grace_seconds=grace_seconds,
+            dry_run=dry_run,
+            pinned=manifests,
+        )
+    except LeaseHeld as exc:
+        err.print(f"[yellow]another GC is running:[/yellow] {exc}")
+        raise typer.Exit(EXIT_BUSY) from None
+    except ValueError as exc:
+        err.print(f"[red]bad arguments:[/red] {exc}")
+        raise typer.Exit(EXIT_CONFIG) from None
+    except KVStoreError as exc:
+        err.print(f"[red]GC failed:[/red] {exc}")
+        raise typer.Exit(EXIT_UNAVAILABLE) from None
+    finally:
+        store.close()
+        if server is not None:
+            server.stop()
+    console.print_json(json.dumps(report.as_dict()))
+
+
+@bench_app.command("gc")
+def bench_gc(
+    objects: Annotated[int, typer.Option(help="Chunk objects to generate")] = 200_000,
+    output: Annotated[Path, typer.Option(help="JSON results file")] = Path("bench-results/gc.json"),
+) -> None:
+    """GC over a generated bucket: wall time, objects/s, peak RSS."""
+    from kvstore.bench.gc import run_gc_bench
+    from kvstore.runtime import open_object_store
+
+    settings = _settings()
+    store, server = open_object_store(settings)
+    try:
+        store.check()
+        result = run_gc_bench(store, objects)
+    except KVStoreError as exc:
+        err.print(f"[red]benchmark failed:[/red] {exc}")
+        raise typer.Exit(EXIT_UNAVAILABLE) from None
+    finally:
+        store.close()
+        if server is not None:
+            server.stop()
+    console.print_json(json.dumps(result))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2))
+    console.print(f"results written to {output}")
 
 
 @bench_app.command("tiers")

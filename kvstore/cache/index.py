@@ -144,8 +144,15 @@ def _check_schema(shared: _Shared, path: str) -> None:
         raw = txn.get(_SCHEMA_KEY, db=shared.meta)
     if raw is None:
         with shared.env.begin(write=True) as txn:
-            # Another process may have initialised it between our two transactions; put is idempotent.
-            txn.put(_SCHEMA_KEY, _U64.pack(SCHEMA_VERSION), db=shared.meta, overwrite=False)
+            if txn.get(_SCHEMA_KEY, db=shared.meta) is not None:
+                return  # another process initialised it between our two transactions
+            if txn.stat(shared.entries)["entries"]:
+                # Entries but no version: an index from before versioning, whose counters and LRU order
+                # may be missing. Stamping it here would skip the migration that rebuilds them.
+                raise CacheError(
+                    f"cache index {path!r} predates schema versioning; run `kvstore migrate` first"
+                )
+            txn.put(_SCHEMA_KEY, _U64.pack(SCHEMA_VERSION), db=shared.meta)
         return
     version = _U64.unpack(raw)[0]
     if version > SCHEMA_VERSION:

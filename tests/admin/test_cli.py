@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -87,3 +88,67 @@ def test_bad_configuration_exits_2_and_names_the_option(tmp_path: Path) -> None:
     result = subprocess.run([*KVSTORE, "fsck"], env=env, capture_output=True, text=True)
     assert result.returncode == 2
     assert "cache_bytes" in result.stderr
+
+
+def test_gc_from_cron_reports_and_respects_the_lease(tmp_path: Path, s3_server: Any, s3_store: Any) -> None:
+    from kvstore.lease import Lease
+
+    for i in range(3):
+        s3_store.put(f"ns_r0/abc/de_g0/{i:064x}.bin", encode(b"z" * 100))
+    env = _env(
+        tmp_path,
+        KVSTORE_STORE_URL=f"s3://{s3_store.bucket}/{s3_store.prefix}",
+        KVSTORE_S3_ENDPOINT=s3_server.endpoint,
+        AWS_ACCESS_KEY_ID=s3_server.access_key,
+        AWS_SECRET_ACCESS_KEY=s3_server.secret_key,
+    )
+    dry = subprocess.run(
+        [*KVSTORE, "gc", "--dry-run", "--ttl-seconds", "60"], env=env, capture_output=True, text=True
+    )
+    assert dry.returncode == 0, dry.stderr
+    report = json.loads(dry.stdout)
+    assert report["objects"] == 3 and report["dry_run"] and report["deleted"] == 0
+    with Lease(s3_store, ttl_s=60, holder="someone-else"):
+        busy = subprocess.run(
+            [*KVSTORE, "gc", "--ttl-seconds", "60"], env=env, capture_output=True, text=True
+        )
+    assert busy.returncode == 4, busy.stdout + busy.stderr
+    assert "another GC is running" in busy.stderr
+
+
+def test_pin_add_ls_rm_and_migrate(tmp_path: Path, s3_server: Any, s3_store: Any) -> None:
+    from kvstore.keys import Namespace
+    from kvstore.pins import get_pin
+
+    ns = Namespace(model_name="tiny/model", tokens_per_hash=4, dtype="torch.bfloat16")
+    s3_store.put(ns.config_key, json.dumps(ns.fields()).encode())
+    env = _env(
+        tmp_path,
+        KVSTORE_STORE_URL=f"s3://{s3_store.bucket}/{s3_store.prefix}",
+        KVSTORE_S3_ENDPOINT=s3_server.endpoint,
+        KVSTORE_CACHE_DIR=str(tmp_path / "cache"),
+        AWS_ACCESS_KEY_ID=s3_server.access_key,
+        AWS_SECRET_ACCESS_KEY=s3_server.secret_key,
+    )
+    tokens = ",".join(str(t) for t in range(10))
+    add = subprocess.run(
+        [*KVSTORE, "pin", "add", "system", "--namespace", ns.id, "--token-ids", tokens],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert add.returncode == 0, add.stdout + add.stderr
+    assert len(get_pin(s3_store, "system").keys) == 2  # two full chunks of 4 tokens
+    listing = subprocess.run([*KVSTORE, "pin", "ls"], env=env, capture_output=True, text=True)
+    assert listing.returncode == 0 and "system" in listing.stdout
+    assert subprocess.run([*KVSTORE, "pin", "rm", "system"], env=env, capture_output=True).returncode == 0
+    assert subprocess.run([*KVSTORE, "pin", "rm", "system"], env=env, capture_output=True).returncode == 1
+    bad = subprocess.run(
+        [*KVSTORE, "pin", "add", "x", "--namespace", ns.id], env=env, capture_output=True, text=True
+    )
+    assert bad.returncode == 2
+
+    first = subprocess.run([*KVSTORE, "migrate"], env=env, capture_output=True, text=True)
+    assert first.returncode == 0, first.stdout + first.stderr
+    again = subprocess.run([*KVSTORE, "migrate"], env=env, capture_output=True, text=True)
+    assert again.returncode == 0 and "nothing to migrate" in again.stdout

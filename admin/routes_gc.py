@@ -1,0 +1,193 @@
+"""Admin routes for garbage collection: start a GC job, poll jobs, list past GC reports.
+
+GC can take minutes on a big bucket, so `POST /v1/gc` answers 202 with a job id at once and runs the
+collector on a background thread; `GET /v1/jobs/{id}` polls it. The bucket lease (`kvstore.lease`) is what
+guarantees a single GC fleet-wide; the 409 check before starting is only a courtesy for the common case.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
+from kvstore.admin.auth import require_token
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvstore.errors import KVStoreError
+from kvstore.gc import list_reports, run_gc
+from kvstore.lease import LeaseHeld, read_lease
+from kvstore.runtime import Node
+
+__all__ = ["GCRequest", "JobRegistry", "PinnedProvider", "router"]
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
+
+JobStatus = Literal["pending", "running", "done", "failed"]
+# Given the node, a predicate "is this key pinned"; a pin-manifest module replaces the default via
+# `app.state.gc_pinned`.
+PinnedProvider = Callable[[Node], Callable[[str], bool]]
+_MAX_JOBS = 200  # finished jobs are forgotten oldest-first beyond this, so the registry stays small
+
+
+class GCRequest(BaseModel):
+    """Body of `POST /v1/gc`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ttl_seconds: float = Field(gt=0, allow_inf_nan=False)
+    max_bytes: int | None = Field(default=None, gt=0)
+    grace_seconds: float = Field(default=600.0, ge=0, allow_inf_nan=False)
+    dry_run: bool = False
+
+
+@dataclass
+class Job:
+    id: str
+    kind: str
+    status: JobStatus = "pending"
+    created_at: float = field(default_factory=time.time)
+    result: dict[str, Any] | None = None
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "kind": self.kind, "status": self.status}
+        out["created_at"] = self.created_at
+        if self.result is not None:
+            out["result"] = self.result
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+
+class JobRegistry:
+    """Jobs of this admin process, by id (in memory: a restart forgets them; reports stay in the bucket)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: OrderedDict[str, Job] = OrderedDict()
+
+    def create(self, kind: str) -> Job:
+        job = Job(uuid.uuid4().hex[:16], kind)
+        with self._lock:
+            self._jobs[job.id] = job
+            while len(self._jobs) > _MAX_JOBS:
+                oldest = next(iter(self._jobs))
+                if self._jobs[oldest].status in ("pending", "running"):
+                    break
+                del self._jobs[oldest]
+        return job
+
+    def get(self, job_id: str) -> Job | None:
+        with self._lock:
+            return self._jobs.get(job_id)
+
+    def update(self, job: Job, **changes: Any) -> None:
+        with self._lock:
+            for name, value in changes.items():
+                setattr(job, name, value)
+
+    def snapshot(self, job_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            job = self._jobs.get(job_id)
+            return None if job is None else job.as_dict()
+
+    def run(self, job: Job, work: Callable[[], dict[str, Any]]) -> None:
+        """Run `work` on a daemon thread, recording its result or its error on `job`."""
+
+        def target() -> None:
+            self.update(job, status="running")
+            try:
+                result = work()
+            except LeaseHeld as exc:
+                self.update(job, status="failed", error=f"another GC is running: {exc}")
+            except KVStoreError as exc:
+                self.update(job, status="failed", error=str(exc))
+            except Exception as exc:  # a job thread must record every failure, never die silently
+                log.exception("job %s failed", job.id)
+                self.update(job, status="failed", error=f"{type(exc).__name__}: {exc}")
+            else:
+                self.update(job, status="done", result=result)
+
+        threading.Thread(target=target, name=f"kvstore-job-{job.id}", daemon=True).start()
+
+
+def node_pins(node: Node) -> Callable[[str], bool]:
+    """Default pin source: the node-local NVMe cache's pin counts."""
+    return lambda key: node.cache.pinned(key) > 0
+
+
+def _registry(request: Request) -> JobRegistry:
+    state = request.app.state
+    registry: JobRegistry | None = getattr(state, "jobs", None)
+    if registry is None:
+        # Created on first use, under a lock so two first requests cannot each install their own registry.
+        with _registry_lock:
+            registry = getattr(state, "jobs", None)
+            if registry is None:
+                registry = JobRegistry()
+                state.jobs = registry
+    return registry
+
+
+_registry_lock = threading.Lock()
+
+
+@router.post("/gc", status_code=status.HTTP_202_ACCEPTED)
+def start_gc(body: GCRequest, request: Request) -> dict[str, Any]:
+    node: Node = request.app.state.node
+    try:
+        lease = read_lease(node.store, "gc")
+    except KVStoreError as exc:
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"object store unusable: {exc}") from None
+    if lease is not None and lease.live(time.time()):
+        raise HTTPException(status.HTTP_409_CONFLICT, f"a GC is already running (held by {lease.holder!r})")
+    provider: PinnedProvider = getattr(request.app.state, "gc_pinned", None) or node_pins
+    pinned = provider(node)
+    # Optional hook (e.g. emitting BlockRemoved events) taking each deleted batch.
+    on_removed: Callable[[list[str]], None] | None = getattr(request.app.state, "gc_on_removed", None)
+    registry = _registry(request)
+    job = registry.create("gc")
+
+    def work() -> dict[str, Any]:
+        report = run_gc(
+            node.store,
+            ttl_seconds=body.ttl_seconds,
+            max_bytes=body.max_bytes,
+            grace_seconds=body.grace_seconds,
+            dry_run=body.dry_run,
+            pinned=pinned,
+            on_removed=on_removed,
+            holder=f"admin-job-{job.id}",
+        )
+        return report.as_dict()
+
+    accepted = {"id": job.id, "status": job.status}
+    registry.run(job, work)
+    return accepted
+
+
+@router.get("/jobs/{job_id}")
+def get_job(job_id: str, request: Request) -> dict[str, Any]:
+    snapshot = _registry(request).snapshot(job_id)
+    if snapshot is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id!r}")
+    return snapshot
+
+
+@router.get("/gc/reports")
+def get_reports(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 20) -> dict[str, Any]:
+    node: Node = request.app.state.node
+    try:
+        reports = list_reports(node.store, limit)
+    except KVStoreError as exc:
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"cannot read GC reports: {exc}") from None
+    return {"reports": reports}

@@ -1,0 +1,380 @@
+"""The bucket garbage collector: delete chunks nobody used for a while, then enforce a byte budget.
+
+Object stores keep no access time, so a chunk's last access is the newest of its `last_modified` and the
+timestamps of the access records (`_meta/access/`) that name it. `run_gc`:
+
+1. merges the access records into a dict holding only the chunk keys the records name;
+2. pass 1 streams `store.list()` and deletes unpinned chunks idle past `ttl_seconds`;
+3. pass 2 (only if `max_bytes` is set and the survivors exceed it) deletes survivors oldest-first;
+4. compacts the merged access records (not in a dry run) and writes a JSON report under `_meta/gc/reports/`.
+
+Only `.bin` objects outside `_meta/` are chunks; `config.json`, pins, leases, reports and anything foreign are
+never touched. Objects younger than `grace_seconds` (by `last_modified`) and pinned keys always survive.
+
+Memory bound of the budget pass: pass 1 builds a histogram of survivor bytes by age, with logarithmic buckets
+1% wide (about 2,000 buckets span a second to decades), so its size does not grow with the bucket. Walking it
+from the oldest bucket gives the boundary bucket where the cumulative bytes reach the excess. Pass 2 streams
+the listing again: everything older than the boundary bucket is deleted as it streams; members of the boundary
+bucket go into a bounded max-heap that keeps only the oldest ones needed to cover the rest of the excess, and
+those are deleted at the end. Held in memory: the access dict, the histogram, one delete batch and that heap.
+
+Crash safety: the run holds the `gc` lease (`kvstore.lease`); a crashed run leaves a stale lease that expires,
+and a re-run recomputes everything from the bucket, so the work is redone idempotently. Access records are
+compacted only after both passes, new records first and old ones deleted last, so a crash loses nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable, Iterator, Set
+from dataclasses import asdict, dataclass
+from typing import Any, TypeAlias
+
+import zstandard
+
+from kvstore.access import ACCESS_PREFIX, decode_batch, encode_batch
+from kvstore.lease import Lease
+from kvstore.stores import ObjectInfo, ObjectStore
+
+__all__ = ["GC_REPORT_PREFIX", "GCReport", "Pinned", "is_chunk_key", "list_reports", "run_gc"]
+
+log = logging.getLogger(__name__)
+
+GC_REPORT_PREFIX = "_meta/gc/reports/"
+META_PREFIX = "_meta/"
+DELETE_BATCH = 1000  # S3 DeleteObjects takes at most 1000 keys per request
+COMPACT_BATCH = 50_000  # keys per compacted access record, like the recorder's default flush size
+_COMPACT_ROUND_S = 60.0  # compacted timestamps are rounded *up*: a chunk may look younger, never older
+_LOG_STEP = math.log(1.01)  # histogram bucket width: 1% of the age
+
+Pinned: TypeAlias = Callable[[str], bool] | Set[str]
+
+
+@dataclass(frozen=True)
+class GCReport:
+    """What one run saw and did. In a dry run `deleted*` and `bytes_freed` are what it would have deleted."""
+
+    id: str
+    started_at: float
+    duration_s: float
+    dry_run: bool
+    ttl_seconds: float
+    max_bytes: int | None
+    grace_seconds: float
+    objects: int  # chunk objects counted in pass 1
+    bytes_total: int
+    deleted: int
+    deleted_ttl: int
+    deleted_budget: int
+    bytes_freed: int
+    kept_pinned: int  # pinned chunks seen (all of them survive)
+    kept_young: int  # unpinned chunks younger than the grace period (all of them survive)
+    remaining_objects: int
+    remaining_bytes: int
+    over_budget: bool  # still above max_bytes because only pinned/young bytes are left
+    access_records: int
+    access_keys: int
+    records_compacted: int
+    report_key: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def is_chunk_key(key: str) -> bool:
+    """Whether GC may consider `key` at all: a `.bin` object outside `_meta/`."""
+    return key.endswith(".bin") and not key.startswith(META_PREFIX)
+
+
+def _pin_check(pinned: Pinned) -> Callable[[str], bool]:
+    if callable(pinned):
+        return pinned
+    pinned_set = pinned
+    return lambda key: key in pinned_set
+
+
+def _age_bucket(age: float) -> int:
+    """Logarithmic age bucket: larger index = older; ages under a second share bucket 0."""
+    return 0 if age < 1.0 else int(math.log(age) / _LOG_STEP) + 1
+
+
+@dataclass
+class _Counts:
+    objects: int = 0
+    bytes_total: int = 0
+    deleted_ttl: int = 0
+    deleted_budget: int = 0
+    bytes_freed: int = 0
+    kept_pinned: int = 0
+    kept_young: int = 0
+    remaining_objects: int = 0
+    remaining_bytes: int = 0
+
+
+class _Deleter:
+    """Batches deletions, reports each batch to `on_removed` and renews the lease between batches."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        lease: Lease,
+        dry_run: bool,
+        on_removed: Callable[[list[str]], None] | None,
+    ) -> None:
+        self._store = store
+        self._lease = lease
+        self._dry_run = dry_run
+        self._on_removed = on_removed
+        self._batch: list[str] = []
+
+    def add(self, key: str) -> None:
+        self._batch.append(key)
+        if len(self._batch) >= DELETE_BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._batch:
+            return
+        batch, self._batch = self._batch, []
+        self._lease.renew()  # raises LeaseLost before deleting if another GC took over
+        if self._dry_run:
+            return
+        self._store.delete_many(batch)
+        if self._on_removed is not None:
+            self._on_removed(batch)
+
+
+def _merge_access(store: ObjectStore) -> tuple[dict[str, float], list[str]]:
+    """Newest access timestamp per chunk key named by a record, and the record keys that were read."""
+    last: dict[str, float] = {}
+    record_keys: list[str] = []
+    for info in store.list(ACCESS_PREFIX):
+        blob = store.get(info.key)
+        if blob is None:
+            continue
+        try:
+            ts, keys = decode_batch(blob)
+        except (ValueError, KeyError, TypeError, zstandard.ZstdError) as exc:
+            log.warning("skipping unreadable access record %s: %s", info.key, exc)
+            continue
+        record_keys.append(info.key)
+        for key in keys:
+            if ts > last.get(key, 0.0):
+                last[key] = ts
+    return last, record_keys
+
+
+def _chunks(store: ObjectStore, lease: Lease) -> Iterator[ObjectInfo]:
+    for info in store.list():
+        lease.maybe_renew()  # a long listing with nothing to delete must not let the lease lapse
+        if is_chunk_key(info.key):
+            yield info
+
+
+def _boundary(histogram: dict[int, int], excess: int) -> tuple[int, int] | None:
+    """The bucket where oldest-first cumulative bytes reach `excess`, and the bytes still needed inside it.
+
+    `None` when all eligible bytes together do not reach the excess (then everything eligible goes)."""
+    covered = 0
+    for bucket in sorted(histogram, reverse=True):
+        size = histogram[bucket]
+        if covered + size >= excess:
+            return bucket, excess - covered
+        covered += size
+    return None
+
+
+def _compact(store: ObjectStore, live: dict[str, float], record_keys: list[str], run_id: str) -> int:
+    """Rewrite the surviving keys' access times as a few records, then delete the records they came from."""
+    by_ts: dict[float, list[str]] = collections.defaultdict(list)
+    for key, ts in live.items():
+        by_ts[math.ceil(ts / _COMPACT_ROUND_S) * _COMPACT_ROUND_S].append(key)
+    seq = 0
+    for ts, keys in sorted(by_ts.items()):
+        hour = time.strftime("%Y%m%d%H", time.gmtime(ts))
+        for start in range(0, len(keys), COMPACT_BATCH):
+            seq += 1
+            name = f"{ACCESS_PREFIX}{hour}/gc-{run_id}-{seq:06d}.json.zst"
+            store.put(name, encode_batch(keys[start : start + COMPACT_BATCH], ts))
+    for start in range(0, len(record_keys), DELETE_BATCH):
+        store.delete_many(record_keys[start : start + DELETE_BATCH])
+    return len(record_keys)
+
+
+def _report_key(started_at: float, run_id: str) -> str:
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(started_at))
+    millis = int((started_at % 1) * 1000)
+    return f"{GC_REPORT_PREFIX}{stamp}.{millis:03d}Z-{run_id}.json"
+
+
+def run_gc(
+    store: ObjectStore,
+    *,
+    ttl_seconds: float,
+    max_bytes: int | None = None,
+    grace_seconds: float,
+    dry_run: bool = False,
+    pinned: Pinned = frozenset(),
+    now: float | None = None,
+    on_removed: Callable[[list[str]], None] | None = None,
+    holder: str | None = None,
+    lease_ttl_s: float = 300.0,
+    compact: bool = True,
+) -> GCReport:
+    """Run one GC pass over `store` (see the module docstring). Raises `LeaseHeld` if another GC runs.
+
+    `now` is the clock GC judges ages by (tests advance it instead of sleeping); `on_removed` gets each
+    deleted batch (never called in a dry run); `pinned` is a key predicate or a set of keys."""
+    if ttl_seconds <= 0:
+        raise ValueError(f"ttl_seconds must be > 0, got {ttl_seconds}")
+    if grace_seconds < 0:
+        raise ValueError(f"grace_seconds must be >= 0, got {grace_seconds}")
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    is_pinned = _pin_check(pinned)
+    started_at = time.time()
+    clock = time.monotonic()
+    now = started_at if now is None else now
+    run_id = uuid.uuid4().hex[:12]
+    c = _Counts()
+
+    with Lease(store, "gc", ttl_s=lease_ttl_s, holder=holder) as lease:
+        access, record_keys = _merge_access(store)
+        access_keys = len(access)
+        deleter = _Deleter(store, lease, dry_run, on_removed)
+        # Keys of `access` move into `live` as the listing finds them alive, so what is left in `access`
+        # afterwards names objects that no longer exist and is dropped by compaction.
+        live: dict[str, float] = {}
+        histogram: dict[int, int] = collections.defaultdict(int)
+
+        # Pass 1: TTL.
+        for info in _chunks(store, lease):
+            c.objects += 1
+            c.bytes_total += info.size
+            ts = access.pop(info.key, None)
+            last = info.last_modified if ts is None else max(ts, info.last_modified)
+            if is_pinned(info.key):
+                c.kept_pinned += 1
+            elif now - info.last_modified < grace_seconds:
+                c.kept_young += 1
+            elif now - last > ttl_seconds:
+                deleter.add(info.key)
+                c.deleted_ttl += 1
+                c.bytes_freed += info.size
+                continue
+            else:
+                histogram[_age_bucket(now - last)] += info.size
+            if ts is not None:
+                live[info.key] = ts
+            c.remaining_objects += 1
+            c.remaining_bytes += info.size
+        deleter.flush()
+        access.clear()
+
+        # Pass 2: byte budget, oldest first.
+        over_budget = False
+        if max_bytes is not None and c.remaining_bytes > max_bytes:
+            excess = c.remaining_bytes - max_bytes
+            bound = _boundary(histogram, excess)
+            boundary, need = bound if bound is not None else (-1, 0)
+            over_budget = bound is None
+            # Max-heap by last access of boundary-bucket members: only the oldest ones covering `need`.
+            heap: list[tuple[float, str, int]] = []
+            heap_bytes = 0
+            for info in _chunks(store, lease):
+                if is_pinned(info.key) or now - info.last_modified < grace_seconds:
+                    continue
+                ts = live.get(info.key)
+                last = info.last_modified if ts is None else max(ts, info.last_modified)
+                if now - last > ttl_seconds:
+                    continue  # pass 1 handled it (still listed in a dry run)
+                bucket = _age_bucket(now - last)
+                if bucket > boundary:
+                    deleter.add(info.key)
+                elif bucket == boundary:
+                    heapq.heappush(heap, (-last, info.key, info.size))
+                    heap_bytes += info.size
+                    while heap and heap_bytes - heap[0][2] >= need:
+                        heap_bytes -= heapq.heappop(heap)[2]
+                    continue
+                else:
+                    continue
+                live.pop(info.key, None)
+                c.deleted_budget += 1
+                c.bytes_freed += info.size
+                c.remaining_objects -= 1
+                c.remaining_bytes -= info.size
+            for _, key, size in sorted(heap, reverse=True):  # oldest first
+                deleter.add(key)
+                live.pop(key, None)
+                c.deleted_budget += 1
+                c.bytes_freed += size
+                c.remaining_objects -= 1
+                c.remaining_bytes -= size
+            deleter.flush()
+
+        compacted = 0
+        if compact and not dry_run and record_keys:
+            lease.renew()
+            compacted = _compact(store, live, record_keys, run_id)
+
+        report = GCReport(
+            id=run_id,
+            started_at=started_at,
+            duration_s=round(time.monotonic() - clock, 6),
+            dry_run=dry_run,
+            ttl_seconds=ttl_seconds,
+            max_bytes=max_bytes,
+            grace_seconds=grace_seconds,
+            objects=c.objects,
+            bytes_total=c.bytes_total,
+            deleted=c.deleted_ttl + c.deleted_budget,
+            deleted_ttl=c.deleted_ttl,
+            deleted_budget=c.deleted_budget,
+            bytes_freed=c.bytes_freed,
+            kept_pinned=c.kept_pinned,
+            kept_young=c.kept_young,
+            remaining_objects=c.remaining_objects,
+            remaining_bytes=c.remaining_bytes,
+            over_budget=over_budget,
+            access_records=len(record_keys),
+            access_keys=access_keys,
+            records_compacted=compacted,
+            report_key=_report_key(started_at, run_id),
+        )
+        store.put(report.report_key, json.dumps(report.as_dict(), indent=1).encode())
+    log.info(
+        "gc %s: %d objects, deleted %d (%d bytes)%s",
+        run_id,
+        report.objects,
+        report.deleted,
+        report.bytes_freed,
+        " [dry run]" if dry_run else "",
+    )
+    return report
+
+
+def list_reports(store: ObjectStore, limit: int = 20) -> list[dict[str, Any]]:
+    """The newest `limit` GC reports, newest first (keys sort by start time)."""
+    if limit <= 0:
+        return []
+    newest: collections.deque[str] = collections.deque(maxlen=limit)
+    for info in store.list(GC_REPORT_PREFIX):
+        if info.key.endswith(".json"):
+            newest.append(info.key)
+    out: list[dict[str, Any]] = []
+    for key in reversed(newest):
+        blob = store.get(key)
+        if blob is None:
+            continue  # removed between listing and reading
+        try:
+            out.append(json.loads(blob))
+        except ValueError:
+            log.warning("skipping unreadable GC report %s", key)
+    return out

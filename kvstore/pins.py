@@ -1,0 +1,377 @@
+"""Pins: named manifests of chunk keys in the bucket; nodes keep them out of eviction, GC never deletes them.
+
+A manifest lives at `_meta/pins/<name>.json`::
+
+    {"name", "namespace": <id>, "namespace_fields": {...}, "keys": [chunk keys],
+     "created_at": <unix s>, "expires_at": <unix s> | null}
+
+The bucket is the source of truth; `apply_pins` brings one node's NVMe pin counts in line with it. Keys come
+from token ids, a prompt (the model's `tokenizer.json`) or chat messages (the model's chat template), hashed
+exactly as vLLM does (`kvstore.hashing`). Tokenizer support imports `tokenizers` and `jinja2` lazily, never
+`transformers` (which would pull in torch).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore.cache.nvme import NVMeCache
+from kvstore.errors import ConfigError, KVStoreError
+from kvstore.hashing import chunk_keys as _chunk_keys
+from kvstore.keys import CONFIG_FILENAME, Namespace
+from kvstore.stores.base import ObjectStore
+
+__all__ = [
+    "PIN_PREFIX",
+    "NamespaceNotFound",
+    "PinExists",
+    "PinManifest",
+    "PinNotFound",
+    "PinSync",
+    "apply_pins",
+    "create_pin",
+    "delete_pin",
+    "get_pin",
+    "keys_for_tokens",
+    "list_pins",
+    "load_namespace",
+    "pinned_keys",
+    "tokens_from_messages",
+    "tokens_from_prompt",
+    "validate_pin_name",
+]
+
+log = logging.getLogger(__name__)
+
+PIN_PREFIX = "_meta/pins/"
+_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+# What `apply_pins` pinned on this node, so a later run can take back exactly its own pins.
+_APPLIED_FILE = "pins-applied.json"
+
+
+class PinNotFound(KVStoreError, LookupError):
+    """No pin manifest has that name."""
+
+
+class PinExists(KVStoreError):
+    """A live pin manifest already has that name (delete it first)."""
+
+
+class NamespaceNotFound(KVStoreError, LookupError):
+    """The bucket holds no `<id>/config.json` for the namespace id."""
+
+
+def validate_pin_name(name: str) -> str:
+    # '.' and '..' would pass the pattern but cannot be object key segments.
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name in (".", ".."):
+        raise ConfigError(f"pin name {name!r} is invalid: use 1-128 characters from [A-Za-z0-9._-]")
+    return name
+
+
+def _manifest_key(name: str) -> str:
+    return f"{PIN_PREFIX}{validate_pin_name(name)}.json"
+
+
+@dataclass(frozen=True)
+class PinManifest:
+    name: str
+    namespace: str
+    namespace_fields: Mapping[str, Any]
+    keys: tuple[str, ...]
+    created_at: float
+    expires_at: float | None = None
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.expires_at is not None and (time.time() if now is None else now) >= self.expires_at
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "namespace": self.namespace,
+            "namespace_fields": dict(self.namespace_fields),
+            "keys": list(self.keys),
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+        }
+
+    def encode(self) -> bytes:
+        return json.dumps(self.to_json(), indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> PinManifest:
+        try:
+            doc = json.loads(raw)
+            expires = doc.get("expires_at")
+            return cls(
+                name=validate_pin_name(doc["name"]),
+                namespace=str(doc["namespace"]),
+                namespace_fields=dict(doc["namespace_fields"]),
+                keys=tuple(str(k) for k in doc["keys"]),
+                created_at=float(doc["created_at"]),
+                expires_at=None if expires is None else float(expires),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"malformed pin manifest: {exc}") from None
+
+
+# -- manifests --------------------------------------------------------------------------------------------
+
+
+def create_pin(
+    store: ObjectStore,
+    name: str,
+    namespace: Namespace,
+    chunk_keys: Sequence[str],
+    ttl_seconds: float | None = None,
+) -> PinManifest:
+    """Write a new manifest; `PinExists` if a live one has the name (an expired one is replaced)."""
+    key = _manifest_key(name)
+    if ttl_seconds is not None and ttl_seconds <= 0:
+        raise ConfigError(f"ttl_seconds must be positive, got {ttl_seconds}")
+    prefix = f"{namespace.id}_r"
+    foreign = [k for k in chunk_keys if not k.startswith(prefix)]
+    if foreign:
+        raise ConfigError(
+            f"{len(foreign)} keys do not belong to namespace {namespace.id}, e.g. {foreign[0]!r}"
+        )
+    now = time.time()
+    manifest = PinManifest(
+        name=name,
+        namespace=namespace.id,
+        namespace_fields=namespace.fields(),
+        keys=tuple(dict.fromkeys(chunk_keys)),  # de-duplicated, order kept
+        created_at=now,
+        expires_at=None if ttl_seconds is None else now + ttl_seconds,
+    )
+    if store.put_if_absent(key, manifest.encode()):
+        return manifest
+    existing = _read(store, key)
+    if existing is not None and not existing.expired(now):
+        raise PinExists(f"pin {name!r} already exists")
+    # Expired (or vanished meanwhile): replacing it is what its owner would get after GC anyway.
+    store.put(key, manifest.encode())
+    return manifest
+
+
+def _read(store: ObjectStore, key: str) -> PinManifest | None:
+    raw = store.get(key)
+    return None if raw is None else PinManifest.decode(raw)
+
+
+def get_pin(store: ObjectStore, name: str) -> PinManifest:
+    manifest = _read(store, _manifest_key(name))
+    if manifest is None:
+        raise PinNotFound(f"pin {name!r} not found")
+    return manifest
+
+
+def _iter_manifests(store: ObjectStore) -> Iterator[PinManifest]:
+    for info in store.list(PIN_PREFIX):
+        if not info.key.endswith(".json"):
+            continue
+        raw = store.get(info.key)
+        if raw is None:  # deleted between list and get
+            continue
+        try:
+            yield PinManifest.decode(raw)
+        except ConfigError as exc:
+            # One bad object must not unpin the whole fleet; it is reported, not fatal.
+            log.warning("skipping %s: %s", info.key, exc)
+
+
+def list_pins(store: ObjectStore, *, include_expired: bool = True) -> list[PinManifest]:
+    now = time.time()
+    return [m for m in _iter_manifests(store) if include_expired or not m.expired(now)]
+
+
+def delete_pin(store: ObjectStore, name: str) -> None:
+    key = _manifest_key(name)
+    if store.get(key) is None:
+        raise PinNotFound(f"pin {name!r} not found")
+    store.delete(key)
+
+
+def pinned_keys(store: ObjectStore) -> set[str]:
+    """Every chunk key named by a non-expired manifest (what GC must keep, what nodes must hold)."""
+    out: set[str] = set()
+    for manifest in list_pins(store, include_expired=False):
+        out.update(manifest.keys)
+    return out
+
+
+# -- node sync --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PinSync:
+    """What one `apply_pins` run changed on the node."""
+
+    pinned: int
+    unpinned: int
+    total: int
+
+
+def apply_pins(cache: NVMeCache, store: ObjectStore) -> PinSync:
+    """Make the node's pins match the bucket: pin keys of live manifests, unpin keys this function pinned
+    earlier that no manifest names any more. Pins taken by anything else (other tools, tests) are untouched,
+    because only this function's own record (`<cache_dir>/pins-applied.json`) is ever unpinned.
+
+    Serialised across the node's processes by an flock; the record is replaced atomically after the LMDB
+    commits, so a crash in between re-applies at most one run's delta on the next call."""
+    desired = pinned_keys(store)
+    directory = Path(cache.directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / (_APPLIED_FILE + ".lock"), "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        applied = _load_applied(directory / _APPLIED_FILE)
+        to_pin = sorted(desired - applied)
+        to_unpin = sorted(applied - desired)
+        if to_pin:
+            cache.pin(to_pin)
+        if to_unpin:
+            cache.unpin(to_unpin)
+        if to_pin or to_unpin or not (directory / _APPLIED_FILE).exists():
+            _save_applied(directory / _APPLIED_FILE, desired)
+    return PinSync(pinned=len(to_pin), unpinned=len(to_unpin), total=len(desired))
+
+
+def _load_applied(path: Path) -> set[str]:
+    try:
+        return set(json.loads(path.read_bytes())["keys"])
+    except FileNotFoundError:
+        return set()
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path} is corrupt ({exc}); remove it and re-run to re-apply pins") from None
+
+
+def _save_applied(path: Path, keys: set[str]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".pins-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps({"keys": sorted(keys)}).encode())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# -- namespaces and tokens --------------------------------------------------------------------------------
+
+
+def load_namespace(store: ObjectStore, namespace_id: str, rank: int = 0) -> Namespace:
+    """The namespace a tier published as `<id>/config.json`; `NamespaceNotFound` if none did."""
+    if not namespace_id or "/" in namespace_id or namespace_id in (".", ".."):
+        raise ConfigError(f"namespace id {namespace_id!r} is invalid")
+    raw = store.get(f"{namespace_id}/{CONFIG_FILENAME}")
+    if raw is None:
+        raise NamespaceNotFound(f"namespace {namespace_id!r} not found: no {namespace_id}/{CONFIG_FILENAME}")
+    try:
+        fields = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{namespace_id}/{CONFIG_FILENAME} is not JSON: {exc}") from None
+    namespace = Namespace.from_fields(fields, rank=rank)
+    if namespace.id != namespace_id:
+        raise ConfigError(f"{namespace_id}/{CONFIG_FILENAME} describes namespace {namespace.id}, not itself")
+    return namespace
+
+
+def keys_for_tokens(
+    namespace: Namespace, token_ids: Sequence[int], *, blocks_per_chunk: int = 1
+) -> list[str]:
+    """The chunk keys of every full chunk of `token_ids` (all groups), as the vLLM tier names them."""
+    return _chunk_keys(namespace, token_ids, blocks_per_chunk=blocks_per_chunk)
+
+
+def tokens_from_prompt(
+    model_path: str | os.PathLike[str], prompt: str, *, add_special_tokens: bool = True
+) -> list[int]:
+    """Token ids of a completion prompt, as vLLM's completions endpoint tokenizes it (special tokens added by
+    the tokenizer's own post-processor)."""
+    return list(_tokenizer(model_path).encode(prompt, add_special_tokens=add_special_tokens).ids)
+
+
+def tokens_from_messages(
+    model_path: str | os.PathLike[str],
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = False,
+) -> list[int]:
+    """Token ids of chat messages rendered with the model's chat template, as vLLM's chat endpoint does.
+
+    For a pin, pass only the shared head of the conversation (the system message): its full chunks are the
+    prefix every later conversation starts with. The rendered text carries its own special tokens, so it is
+    tokenized without adding more."""
+    text = render_chat(model_path, messages, add_generation_prompt=add_generation_prompt)
+    return list(_tokenizer(model_path).encode(text, add_special_tokens=False).ids)
+
+
+@dataclass(frozen=True)
+class _ChatTemplate:
+    source: str
+    special: Mapping[str, str] = field(default_factory=dict)
+
+
+def _chat_template(model_path: Path) -> _ChatTemplate:
+    try:
+        config = json.loads((model_path / "tokenizer_config.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{model_path} has no tokenizer_config.json") from None
+    template = config.get("chat_template")
+    if template is None and (model_path / "chat_template.jinja").exists():
+        template = (model_path / "chat_template.jinja").read_text()
+    if isinstance(template, list):  # named templates: the HF convention picks "default"
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if not isinstance(template, str):
+        raise ConfigError(f"{model_path} defines no chat template")
+    special: dict[str, str] = {}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = config.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            special[name] = value
+    return _ChatTemplate(template, special)
+
+
+def render_chat(
+    model_path: str | os.PathLike[str],
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = False,
+) -> str:
+    """The chat template applied to `messages`, in the sandboxed Jinja environment HF templates expect."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    tpl = _chat_template(Path(model_path))
+
+    def raise_exception(message: str) -> None:
+        raise ConfigError(f"chat template: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(tpl.source).render(
+            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **tpl.special
+        )
+    except TemplateError as exc:
+        raise ConfigError(f"chat template failed to render: {exc}") from None
+
+
+def _tokenizer(model_path: str | os.PathLike[str]) -> Any:
+    from tokenizers import Tokenizer
+
+    path = Path(model_path) / "tokenizer.json"
+    if not path.exists():
+        raise ConfigError(f"{model_path} has no tokenizer.json")
+    return Tokenizer.from_file(str(path))

@@ -1,0 +1,365 @@
+"""The garbage collector against a real S3 server (and a memory store with a fake clock for a property test).
+
+S3 `last_modified` is the server's real clock, so tests move GC's `now=` forward instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from unittest import mock
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstore.access import ACCESS_PREFIX, encode_batch, read_access_records
+from kvstore.gc import GC_REPORT_PREFIX, GCReport, list_reports, run_gc
+from kvstore.lease import LeaseHeld
+from kvstore.stores import MemoryStore, ObjectStore
+
+pytestmark = pytest.mark.integration
+
+
+def chunk(i: int) -> str:
+    h = hashlib.sha256(str(i).encode()).hexdigest()[:32]
+    return f"ns_abc_r0/{h[:3]}/{h[3:5]}_g0/{h}.bin"
+
+
+def write_chunks(store: ObjectStore, keys: list[str], size: int = 16) -> None:
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda k: store.put(k, b"x" * size), keys))
+
+
+_record_seq = iter(range(1_000_000))
+
+
+def record_access(store: ObjectStore, keys: list[str], ts: float) -> None:
+    store.put(f"{ACCESS_PREFIX}2026010100/test-{next(_record_seq):06d}.json.zst", encode_batch(keys, ts))
+
+
+def present(store: ObjectStore) -> set[str]:
+    return {info.key for info in store.list()}
+
+
+def server_time(store: ObjectStore) -> float:
+    """The newest last_modified in the store: the server's clock at the last write."""
+    return max(info.last_modified for info in store.list())
+
+
+def test_ttl_deletes_only_idle_unpinned(s3_store: Any) -> None:
+    keys = [chunk(i) for i in range(8)]
+    write_chunks(s3_store, keys)
+    s3_store.put("ns_abc/config.json", b"{}")
+    s3_store.put("_meta/pins/p.json", b"{}")
+    s3_store.put("ns_abc_r0/notes.txt", b"not a chunk")
+    t0 = server_time(s3_store)
+    record_access(s3_store, keys[:2], t0 + 5000)
+    record_access(s3_store, keys[1:3], t0 + 100)  # older record for keys[1]: the newest one counts
+    removed: list[list[str]] = []
+    report = run_gc(
+        s3_store,
+        ttl_seconds=3000,
+        grace_seconds=600,
+        pinned={keys[3]},
+        now=t0 + 6000,
+        on_removed=removed.append,
+    )
+    survivors = {keys[0], keys[1], keys[3]}
+    expected_gone = set(keys) - survivors
+    after = present(s3_store)
+    assert survivors <= after and not (expected_gone & after)
+    assert {"ns_abc/config.json", "_meta/pins/p.json", "ns_abc_r0/notes.txt"} <= after
+    assert sorted(k for batch in removed for k in batch) == sorted(expected_gone)
+    assert report.objects == 8 and report.deleted == 5 and report.deleted_ttl == 5
+    assert report.bytes_freed == 5 * 16 and report.remaining_bytes == 3 * 16 and report.remaining_objects == 3
+    assert report.kept_pinned == 1 and report.kept_young == 0 and not report.dry_run
+    assert report.access_records == 2 and report.records_compacted == 2
+    # Compaction kept the surviving keys' access times (keys[0] and keys[1] stay alive at the same clock).
+    merged = {k: ts for ts, ks in read_access_records(s3_store) for k in ks}
+    assert set(merged) == {keys[0], keys[1]} and merged[keys[0]] >= t0 + 5000
+    again = run_gc(s3_store, ttl_seconds=3000, grace_seconds=600, pinned={keys[3]}, now=t0 + 6000)
+    assert again.deleted == 0 and survivors <= present(s3_store)
+
+
+def test_grace_protects_young_objects(s3_store: Any) -> None:
+    keys = [chunk(i) for i in range(5)]
+    write_chunks(s3_store, keys)
+    t0 = server_time(s3_store)
+    young = run_gc(s3_store, ttl_seconds=1, grace_seconds=600, now=t0 + 100)
+    assert young.deleted == 0 and young.kept_young == 5
+    assert set(keys) <= present(s3_store)
+    old = run_gc(s3_store, ttl_seconds=1, grace_seconds=600, now=t0 + 700)
+    assert old.deleted == 5 and not set(keys) & present(s3_store)
+
+
+def _budget_setup(store: ObjectStore, spacing: float) -> tuple[list[str], float]:
+    """Ten chunks of growing size, last accessed oldest (index 0) to newest (index 9) `spacing` apart."""
+    keys = [chunk(100 + i) for i in range(10)]
+    with ThreadPoolExecutor(10) as pool:
+        list(pool.map(lambda i: store.put(keys[i], b"y" * (10 + i)), range(10)))
+    t0 = server_time(store)
+    for i, key in enumerate(keys):
+        record_access(store, [key], t0 + 1000 + spacing * i)
+    return keys, t0
+
+
+@pytest.mark.parametrize("spacing", [500.0, 0.5], ids=["spread-ages", "one-age-bucket"])
+def test_max_bytes_deletes_oldest_first(s3_store: Any, spacing: float) -> None:
+    keys, t0 = _budget_setup(s3_store, spacing)
+    sizes = [10 + i for i in range(10)]
+    budget = sum(sizes[6:]) + 5  # room for the 4 newest and a bit: the 6 oldest must go
+    removed: list[str] = []
+    report = run_gc(
+        s3_store,
+        ttl_seconds=1e9,
+        max_bytes=budget,
+        grace_seconds=0,
+        pinned={keys[0]},  # the oldest is pinned: it stays, so one more newer chunk goes instead
+        now=t0 + 20_000,
+        on_removed=removed.extend,
+    )
+    # keys[0] pinned (10 bytes) + newest ones must fit: keys[7..9] = 17+18+19 = 54, plus 10 = 64 <= 69;
+    # adding keys[6] (16) gives 80 > 69, so keys[1..6] go.
+    assert sorted(removed) == sorted(keys[1:7])
+    assert report.deleted_budget == 6 and report.deleted_ttl == 0
+    assert report.remaining_bytes == 10 + 17 + 18 + 19 <= budget and not report.over_budget
+    assert set(keys[7:]) | {keys[0]} <= present(s3_store)
+
+
+def test_max_bytes_cannot_touch_pinned_or_young(s3_store: Any) -> None:
+    keys = [chunk(200 + i) for i in range(4)]
+    write_chunks(s3_store, keys, size=100)
+    t0 = server_time(s3_store)
+    report = run_gc(s3_store, ttl_seconds=1e9, max_bytes=50, grace_seconds=600, pinned={keys[0]}, now=t0 + 10)
+    assert report.deleted == 0 and report.over_budget and report.remaining_bytes == 400
+    assert report.kept_pinned == 1 and report.kept_young == 3
+
+
+def test_dry_run_deletes_nothing_and_reports_the_same(s3_store: Any) -> None:
+    _, t0 = _budget_setup(s3_store, 500.0)
+    extra = [chunk(300 + i) for i in range(3)]
+    write_chunks(s3_store, extra)
+    before = present(s3_store)
+    args: dict[str, Any] = {"ttl_seconds": 17_000, "max_bytes": 80, "grace_seconds": 0, "now": t0 + 20_000}
+    removed: list[str] = []
+    dry = run_gc(s3_store, dry_run=True, on_removed=removed.extend, **args)
+    assert removed == [] and dry.dry_run and dry.records_compacted == 0
+    assert present(s3_store) == before | {dry.report_key}
+    real = run_gc(s3_store, **args)
+    same = ("objects", "deleted", "deleted_ttl", "deleted_budget", "bytes_freed", "remaining_bytes")
+    assert {f: getattr(dry, f) for f in same} == {f: getattr(real, f) for f in same}
+    assert dry.deleted > 0 and dry.deleted_budget > 0 and dry.deleted_ttl > 0
+
+
+def test_listing_past_one_page(s3_store: Any) -> None:
+    keys = [chunk(1000 + i) for i in range(1150)]
+    write_chunks(s3_store, keys, size=4)
+    pins = set(keys[::23])
+    t0 = server_time(s3_store)
+    removed: list[list[str]] = []
+    report = run_gc(
+        s3_store, ttl_seconds=10, grace_seconds=0, pinned=pins, now=t0 + 100, on_removed=removed.append
+    )
+    assert report.objects == 1150 and report.kept_pinned == len(pins)
+    assert report.deleted == 1150 - len(pins)
+    assert max(len(b) for b in removed) <= 1000 and len(removed) == 2
+    assert {k for k in present(s3_store) if k.endswith(".bin")} == pins
+
+
+def test_report_written_and_listed(s3_store: Any) -> None:
+    write_chunks(s3_store, [chunk(1)])
+    first = run_gc(s3_store, ttl_seconds=1e6, grace_seconds=0, dry_run=True)
+    time.sleep(0.01)
+    second = run_gc(s3_store, ttl_seconds=1e6, grace_seconds=0)
+    assert isinstance(second, GCReport)
+    reports = list_reports(s3_store, 10)
+    assert [r["id"] for r in reports] == [second.id, first.id]
+    assert reports[0] == second.as_dict()
+    assert list_reports(s3_store, 1) == [second.as_dict()]
+    assert second.report_key.startswith(GC_REPORT_PREFIX)
+    for field in ("objects", "deleted", "bytes_freed", "kept_pinned", "kept_young", "remaining_bytes"):
+        assert field in reports[0]
+    assert {"dry_run", "duration_s", "started_at"} <= set(reports[0])
+
+
+def test_two_gc_runs_at_once_only_one_runs(s3_store: Any) -> None:
+    keys = [chunk(i) for i in range(20)]
+    write_chunks(s3_store, keys)
+    t0 = server_time(s3_store)
+    loser_done = threading.Event()
+    results: list[GCReport | Exception] = []
+    barrier = threading.Barrier(2)
+
+    def hold(_: list[str]) -> None:
+        loser_done.wait(20)  # the winner keeps the lease until the other has tried
+
+    def one() -> None:
+        barrier.wait()
+        try:
+            results.append(run_gc(s3_store, ttl_seconds=10, grace_seconds=0, now=t0 + 100, on_removed=hold))
+        except LeaseHeld as exc:
+            results.append(exc)
+            loser_done.set()
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(type(r).__name__ for r in results) == ["GCReport", "LeaseHeld"]
+    report = next(r for r in results if isinstance(r, GCReport))
+    assert report.deleted == 20
+    # The lease was released: the next run goes ahead.
+    assert run_gc(s3_store, ttl_seconds=10, grace_seconds=0, now=t0 + 100).deleted == 0
+
+
+def test_gc_racing_with_reads_gives_clean_misses(s3_store: Any) -> None:
+    keys = [chunk(5000 + i) for i in range(300)]
+    write_chunks(s3_store, keys, size=64)
+    t0 = server_time(s3_store)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    seen: list[bytes | None] = []
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        while not stop.is_set():
+            try:
+                got = s3_store.get(rng.choice(keys))
+            except BaseException as exc:  # any exception at all is a failure
+                errors.append(exc)
+                return
+            assert got is None or got == b"x" * 64
+            seen.append(got)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        report = run_gc(s3_store, ttl_seconds=10, grace_seconds=0, now=t0 + 100)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    assert errors == [] and report.deleted == 300
+    assert all(s3_store.get(k) is None for k in keys[:20])
+    assert seen
+
+
+# -- property: pinned and young always survive; idle, unpinned, old ones are gone --------------------------
+
+
+class FakeTime:
+    def __init__(self, start: float) -> None:
+        self.now = start
+
+    def time(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def fake_memory_clock() -> Iterator[FakeTime]:
+    clock = FakeTime(1_700_000_000.0)
+    with mock.patch("kvstore.stores.memory.time", clock):
+        yield clock
+
+
+def check_gc_invariants(
+    store: ObjectStore,
+    *,
+    now: float,
+    ttl: float,
+    grace: float,
+    pins: set[str],
+    max_bytes: int | None,
+) -> GCReport:
+    """Run GC and check the invariants against what the store and the records said just before."""
+    before = {i.key: i for i in store.list() if i.key.endswith(".bin")}
+    last = {k: i.last_modified for k, i in before.items()}
+    for ts, keys in read_access_records(store):
+        for k in keys:
+            if k in last:
+                last[k] = max(last[k], ts)
+    report = run_gc(store, ttl_seconds=ttl, grace_seconds=grace, pinned=pins, now=now, max_bytes=max_bytes)
+    after = {i.key for i in store.list() if i.key.endswith(".bin")}
+    protected = {k for k, i in before.items() if k in pins or now - i.last_modified < grace}
+    assert protected <= after, "a pinned or young chunk was deleted"
+    idle = {k for k in before if k not in protected and now - last[k] > ttl}
+    assert not idle & after, "an idle unpinned chunk survived"
+    assert after <= set(before)
+    if max_bytes is None:
+        assert after == set(before) - idle
+    else:
+        kept = sum(before[k].size for k in after)
+        assert kept <= max_bytes or report.over_budget
+        # Oldest first: every budget-deleted chunk is at least as old as every surviving eligible one.
+        budget_gone = set(before) - idle - after
+        eligible_left = after - protected
+        if budget_gone and eligible_left:
+            assert max(last[k] for k in budget_gone) <= min(last[k] for k in eligible_left)
+    return report
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("write"), st.integers(0, 11), st.integers(1, 50)),
+        st.tuples(st.just("read"), st.integers(0, 11), st.just(0)),
+        st.tuples(st.just("pin"), st.integers(0, 11), st.just(0)),
+        st.tuples(st.just("advance"), st.integers(0, 11), st.integers(1, 5000)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    steps=ops,
+    ttl=st.integers(1, 8000),
+    grace=st.integers(0, 3000),
+    tail=st.integers(0, 10_000),
+    max_bytes=st.one_of(st.none(), st.integers(0, 300)),
+)
+def test_property_gc_invariants(
+    fake_memory_clock: FakeTime,
+    steps: list[tuple[str, int, int]],
+    ttl: int,
+    grace: int,
+    tail: int,
+    max_bytes: int | None,
+) -> None:
+    clock = fake_memory_clock
+    store = MemoryStore("prop")
+    pins: set[str] = set()
+    for op, i, arg in steps:
+        if op == "write":
+            store.put(chunk(i), b"z" * arg)
+        elif op == "read":
+            record_access(store, [chunk(i)], clock.now)
+        elif op == "pin":
+            pins.add(chunk(i))
+        else:
+            clock.now += arg
+    check_gc_invariants(store, now=clock.now + tail, ttl=ttl, grace=grace, pins=pins, max_bytes=max_bytes)
+    # Compaction must not change the decisions of the next run at the same clock.
+    again = check_gc_invariants(
+        store, now=clock.now + tail, ttl=ttl, grace=grace, pins=pins, max_bytes=max_bytes
+    )
+    assert again.deleted == 0
+
+
+def test_property_example_on_s3(s3_store: Any) -> None:
+    rng = random.Random(7)
+    keys = [chunk(7000 + i) for i in range(30)]
+    write_chunks(s3_store, keys, size=20)
+    t0 = server_time(s3_store)
+    for _ in range(10):
+        record_access(s3_store, rng.sample(keys, 5), t0 + rng.uniform(0, 4000))
+    pins = set(rng.sample(keys, 4))
+    check_gc_invariants(s3_store, now=t0 + 4500, ttl=2000, grace=100, pins=pins, max_bytes=None)
+    check_gc_invariants(s3_store, now=t0 + 4500, ttl=2000, grace=100, pins=pins, max_bytes=200)
