@@ -6,6 +6,7 @@ configuration, 3 the store or cache could not be used, 4 another GC holds the le
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -254,15 +255,19 @@ def bench_gc(
     objects: Annotated[int, typer.Option(help="Chunk objects to generate")] = 200_000,
     output: Annotated[Path, typer.Option(help="JSON results file")] = Path("bench-results/gc.json"),
 ) -> None:
-    """GC over a generated bucket: wall time, objects/s, peak RSS."""
+    """GC over a generated bucket in a private prefix (removed afterwards): wall time, objects/s, peak RSS."""
+    import time
+
     from kvstore.bench.gc import run_gc_bench
     from kvstore.runtime import open_object_store
 
     settings = _settings()
-    store, server = open_object_store(settings)
+    # A prefix of its own: the GC under test must only ever see the objects this benchmark generated.
+    store, server = open_object_store(settings, subprefix=f"bench-gc-{time.time_ns()}")
     try:
         store.check()
         result = run_gc_bench(store, objects)
+        store.delete_many([info.key for info in store.list()])
     except KVStoreError as exc:
         err.print(f"[red]benchmark failed:[/red] {exc}")
         raise typer.Exit(EXIT_UNAVAILABLE) from None
@@ -358,19 +363,22 @@ def bench_vllm(
     output: Annotated[Path, typer.Option(help="JSON results file")] = Path("bench-results/vllm.json"),
 ) -> None:
     """TTFT: recompute vs vLLM's fs tier vs our tier (NVMe hit, object only); scheduler-thread cost."""
+    import time
+
     from kvstore.connector.bench_vllm import bench_scheduler, bench_ttft
 
     from kvstore.runtime import EMBEDDED_BUCKET, open_object_store
 
     settings = _settings()
-    store, server = open_object_store(settings)
-    store.close()
+    # Everything this benchmark writes goes under a prefix of its own, deleted at the end.
+    run_prefix = f"bench-vllm-{time.time_ns()}"
+    store, server = open_object_store(settings, subprefix=run_prefix)
     endpoint: str | None
     if server is not None:
-        store_url, endpoint = f"s3://{EMBEDDED_BUCKET}", server.endpoint
+        store_url, endpoint = f"s3://{EMBEDDED_BUCKET}/{run_prefix}", server.endpoint
         env = {"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key}
     else:
-        store_url, endpoint, env = settings.store_url, settings.s3_endpoint, {}
+        store_url, endpoint, env = f"{settings.store_url.rstrip('/')}/{run_prefix}", settings.s3_endpoint, {}
     try:
         report = bench_ttft(
             store_url,
@@ -397,6 +405,9 @@ def bench_vllm(
                 else:
                     os.environ[k] = v
     finally:
+        with contextlib.suppress(KVStoreError):
+            store.delete_many([info.key for info in store.list()])
+        store.close()
         if server is not None:
             server.stop()
     table = Table(

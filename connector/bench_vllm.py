@@ -88,11 +88,10 @@ def bench_ttft(
     try:
         model = build_tiny_model(root / "tiny-llama")
         texts = [sample_text(words, seed=100 + i) for i in range(prompts)]
-        run_tag = hashlib.sha256(str(time.time_ns()).encode()).hexdigest()[:8]
         ours = {
             "type": "KVStoreTier",
             "module_path": "kvstore.connector.tier",
-            "store_url": f"{store_url.rstrip('/')}/bench-vllm-{run_tag}",
+            "store_url": f"{store_url.rstrip('/')}/ttft",
             "cache_dir": str(root / "nvme-a"),
             "access_records": False,
         }
@@ -148,7 +147,7 @@ def bench_scheduler(
     slots = 4096
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-sched-") as tmp:
         options: dict[str, Any] = {
-            "store_url": f"{store_url.rstrip('/')}/bench-sched-{time.time_ns()}",
+            "store_url": f"{store_url.rstrip('/')}/scheduler-{time.time_ns()}",
             "cache_dir": tmp,
             "cache_bytes": 1 << 34,
             "access_records": False,

@@ -39,11 +39,15 @@ class Node:
             self.embedded.stop()
 
 
-def open_object_store(settings: Settings) -> tuple[ObjectStore, SeaweedServer | None]:
-    """The configured store; with no `store_url`, a local SeaweedFS under `data_dir` (started if needed)."""
+def open_object_store(settings: Settings, *, subprefix: str = "") -> tuple[ObjectStore, SeaweedServer | None]:
+    """The configured store; with no `store_url`, a local SeaweedFS under `data_dir` (started if needed).
+
+    `subprefix` narrows the store to a folder below the configured prefix (benchmarks use their own, so
+    whatever they generate, and GC over it, never touches real cache data)."""
+    suffix = f"/{subprefix.strip('/')}" if subprefix else ""
     if settings.store_url:
         store = open_store(
-            settings.store_url,
+            settings.store_url.rstrip("/") + suffix,
             endpoint=settings.s3_endpoint,
             access_key=settings.access_key.get_secret_value() if settings.access_key else None,
             secret_key=settings.secret_key.get_secret_value() if settings.secret_key else None,
@@ -57,7 +61,7 @@ def open_object_store(settings: Settings) -> tuple[ObjectStore, SeaweedServer | 
         settings.data_dir / "s3",
     )
     store = open_store(
-        f"s3://{EMBEDDED_BUCKET}",
+        f"s3://{EMBEDDED_BUCKET}{suffix}",
         endpoint=server.endpoint,
         access_key=server.access_key,
         secret_key=server.secret_key,
