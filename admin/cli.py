@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -20,6 +21,7 @@ from rich.table import Table
 from kvstore.cache import NVMeCache
 from kvstore.config import Settings, load_settings
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.stores import ObjectStore
 
 EXIT_PROBLEMS, EXIT_CONFIG, EXIT_UNAVAILABLE, EXIT_BUSY = 1, 2, 3, 4
 
@@ -40,6 +42,28 @@ def _settings(**overrides: object) -> Settings:
     except ConfigError as exc:
         err.print(f"[red]configuration error:[/red] {exc}")
         raise typer.Exit(EXIT_CONFIG) from None
+
+
+@contextlib.contextmanager
+def _store(settings: Settings, failure: str, *, subprefix: str = "") -> Iterator[ObjectStore]:
+    """The configured object store (the embedded one if none), closed on exit; a store error becomes a
+    message and exit code 3."""
+    from kvstore.runtime import open_object_store
+
+    try:
+        store, server = open_object_store(settings, subprefix=subprefix)
+    except KVStoreError as exc:
+        err.print(f"[red]{failure}:[/red] {exc}")
+        raise typer.Exit(EXIT_UNAVAILABLE) from None
+    try:
+        yield store
+    except KVStoreError as exc:
+        err.print(f"[red]{failure}:[/red] {exc}")
+        raise typer.Exit(EXIT_UNAVAILABLE) from None
+    finally:
+        store.close()
+        if server is not None:
+            server.stop()
 
 
 @app.command()
@@ -104,30 +128,22 @@ def pin_add(
 ) -> None:
     """Pin the chunks of a prompt (e.g. a system prompt) or of token ids."""
     from kvstore.pins import create_pin, keys_for_tokens, load_namespace, tokens_from_prompt
-    from kvstore.runtime import open_object_store
 
     if (prompt is None) == (token_ids is None) or (prompt is not None and model_path is None):
         err.print("[red]give exactly one of --prompt (with --model-path) or --token-ids[/red]")
         raise typer.Exit(EXIT_CONFIG)
-    settings = _settings()
-    store, server = open_object_store(settings)
-    try:
-        ns = load_namespace(store, namespace)
-        if token_ids is not None:
-            tokens = [int(t) for t in token_ids.split(",") if t.strip()]
-        else:
-            assert prompt is not None and model_path is not None
-            tokens = tokens_from_prompt(model_path, prompt)
-        manifest = create_pin(store, name, ns, keys_for_tokens(ns, tokens), ttl_seconds=ttl_seconds)
-    except (KVStoreError, ValueError) as exc:
-        err.print(f"[red]cannot pin:[/red] {exc}")
-        raise typer.Exit(
-            EXIT_CONFIG if isinstance(exc, ValueError | ConfigError) else EXIT_UNAVAILABLE
-        ) from None
-    finally:
-        store.close()
-        if server is not None:
-            server.stop()
+    with _store(_settings(), "cannot pin") as store:
+        try:
+            ns = load_namespace(store, namespace)
+            if token_ids is not None:
+                tokens = [int(t) for t in token_ids.split(",") if t.strip()]
+            else:
+                assert prompt is not None and model_path is not None
+                tokens = tokens_from_prompt(model_path, prompt)
+            manifest = create_pin(store, name, ns, keys_for_tokens(ns, tokens), ttl_seconds=ttl_seconds)
+        except (ValueError, ConfigError) as exc:
+            err.print(f"[red]cannot pin:[/red] {exc}")
+            raise typer.Exit(EXIT_CONFIG) from None
     console.print(f"pinned {len(manifest.keys)} chunks as {manifest.name!r}")
 
 
@@ -135,19 +151,9 @@ def pin_add(
 def pin_ls() -> None:
     """List pin manifests."""
     from kvstore.pins import list_pins
-    from kvstore.runtime import open_object_store
 
-    settings = _settings()
-    store, server = open_object_store(settings)
-    try:
+    with _store(_settings(), "cannot list pins") as store:
         pins = list_pins(store)
-    except KVStoreError as exc:
-        err.print(f"[red]cannot list pins:[/red] {exc}")
-        raise typer.Exit(EXIT_UNAVAILABLE) from None
-    finally:
-        store.close()
-        if server is not None:
-            server.stop()
     table = Table(title="pins")
     for col in ("name", "namespace", "chunks", "expires"):
         table.add_column(col)
@@ -160,22 +166,13 @@ def pin_ls() -> None:
 def pin_rm(name: Annotated[str, typer.Argument(help="Pin name")]) -> None:
     """Delete a pin manifest (its chunks become ordinary cache entries again)."""
     from kvstore.pins import PinNotFound, delete_pin
-    from kvstore.runtime import open_object_store
 
-    settings = _settings()
-    store, server = open_object_store(settings)
-    try:
-        delete_pin(store, name)
-    except PinNotFound as exc:
-        err.print(f"[red]{exc}[/red]")
-        raise typer.Exit(EXIT_PROBLEMS) from None
-    except KVStoreError as exc:
-        err.print(f"[red]cannot delete pin:[/red] {exc}")
-        raise typer.Exit(EXIT_UNAVAILABLE) from None
-    finally:
-        store.close()
-        if server is not None:
-            server.stop()
+    with _store(_settings(), "cannot delete pin") as store:
+        try:
+            delete_pin(store, name)
+        except PinNotFound as exc:
+            err.print(f"[red]{exc}[/red]")
+            raise typer.Exit(EXIT_PROBLEMS) from None
     console.print(f"deleted pin {name!r}")
 
 
@@ -184,19 +181,9 @@ def migrate() -> None:
     """Apply the numbered migrations to this node's cache index and to the bucket layout."""
     from kvstore.migrations.runner import migrate as run_migrations
 
-    from kvstore.runtime import open_object_store
-
     settings = _settings()
-    store, server = open_object_store(settings)
-    try:
+    with _store(settings, "migration failed") as store:
         applied = run_migrations(cache_dir=settings.cache_dir, store=store)
-    except KVStoreError as exc:
-        err.print(f"[red]migration failed:[/red] {exc}")
-        raise typer.Exit(EXIT_UNAVAILABLE) from None
-    finally:
-        store.close()
-        if server is not None:
-            server.stop()
     for step in applied:
         console.print(f"applied {step.target} migration {step.version}: {step.describe}")
     if not applied:
@@ -219,34 +206,24 @@ def gc(
     from kvstore.gc import run_gc
     from kvstore.lease import LeaseHeld
     from kvstore.pins import pinned_keys
-    from kvstore.runtime import open_object_store
 
-    settings = _settings()
-    store, server = open_object_store(settings)
-    try:
-        store.check()
-        manifests = pinned_keys(store)
-        report = run_gc(
-            store,
-            ttl_seconds=ttl_seconds,
-            max_bytes=max_bytes,
-            grace_seconds=grace_seconds,
-            dry_run=dry_run,
-            pinned=manifests,
-        )
-    except LeaseHeld as exc:
-        err.print(f"[yellow]another GC is running:[/yellow] {exc}")
-        raise typer.Exit(EXIT_BUSY) from None
-    except ValueError as exc:
-        err.print(f"[red]bad arguments:[/red] {exc}")
-        raise typer.Exit(EXIT_CONFIG) from None
-    except KVStoreError as exc:
-        err.print(f"[red]GC failed:[/red] {exc}")
-        raise typer.Exit(EXIT_UNAVAILABLE) from None
-    finally:
-        store.close()
-        if server is not None:
-            server.stop()
+    with _store(_settings(), "GC failed") as store:
+        try:
+            store.check()
+            report = run_gc(
+                store,
+                ttl_seconds=ttl_seconds,
+                max_bytes=max_bytes,
+                grace_seconds=grace_seconds,
+                dry_run=dry_run,
+                pinned=pinned_keys(store),
+            )
+        except LeaseHeld as exc:
+            err.print(f"[yellow]another GC is running:[/yellow] {exc}")
+            raise typer.Exit(EXIT_BUSY) from None
+        except ValueError as exc:
+            err.print(f"[red]bad arguments:[/red] {exc}")
+            raise typer.Exit(EXIT_CONFIG) from None
     console.print_json(json.dumps(report.as_dict()))
 
 
@@ -259,22 +236,12 @@ def bench_gc(
     import time
 
     from kvstore.bench.gc import run_gc_bench
-    from kvstore.runtime import open_object_store
 
-    settings = _settings()
     # A prefix of its own: the GC under test must only ever see the objects this benchmark generated.
-    store, server = open_object_store(settings, subprefix=f"bench-gc-{time.time_ns()}")
-    try:
+    with _store(_settings(), "benchmark failed", subprefix=f"bench-gc-{time.time_ns()}") as store:
         store.check()
         result = run_gc_bench(store, objects)
         store.delete_many([info.key for info in store.list()])
-    except KVStoreError as exc:
-        err.print(f"[red]benchmark failed:[/red] {exc}")
-        raise typer.Exit(EXIT_UNAVAILABLE) from None
-    finally:
-        store.close()
-        if server is not None:
-            server.stop()
     console.print_json(json.dumps(result))
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2))
@@ -292,11 +259,8 @@ def bench_tiers(
 ) -> None:
     """Store and load chunks through the engine beside raw file reads and raw GETs of the same data."""
     from kvstore.bench.tiers import run_tiers_bench
-    from kvstore.runtime import open_object_store
 
-    settings = _settings()
-    store, server = open_object_store(settings)
-    try:
+    with _store(_settings(), "benchmark failed") as store:
         store.check()
         report = run_tiers_bench(
             store,
@@ -307,13 +271,6 @@ def bench_tiers(
             repeats=repeats,
             progress=lambda msg: console.print(f"[dim]... {msg}[/dim]"),
         )
-    except KVStoreError as exc:
-        err.print(f"[red]benchmark failed:[/red] {exc}")
-        raise typer.Exit(EXIT_UNAVAILABLE) from None
-    finally:
-        store.close()
-        if server is not None:
-            server.stop()
     table = Table(title=f"kvstore bench tiers (store: {store.url}, {workers} workers, best of {repeats})")
     for col in (
         "chunk",
