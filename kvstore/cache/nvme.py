@@ -139,8 +139,9 @@ class NVMeCache:
         self._touch_one(key)
         return data
 
-    def locate(self, key: str) -> CachedChunk | None:
-        """Where the blob lies, or None on a miss. Counts as a touch.
+    def locate(self, key: str, *, touch: bool = True) -> CachedChunk | None:
+        """Where the blob lies, or None on a miss. Counts as a touch unless `touch=False` (a caller on a
+        latency-critical path records touches itself, so a due flush never lands in the middle of a load).
 
         No stat here: this is the load hot path, and the reader must handle a file that vanishes after
         this call anyway (another process may evict it). Readers report such a file with `forget`.
@@ -148,7 +149,8 @@ class NVMeCache:
         entry = self._index.get(key)
         if entry is None:
             return None
-        self._touch_one(key)
+        if touch:
+            self._touch_one(key)
         return CachedChunk(key=key, path=self._files.path_str(key, entry.token), size=entry.size)
 
     def forget(self, key: str, path: str) -> None:

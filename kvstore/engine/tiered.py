@@ -263,9 +263,9 @@ class TieredStore:
                 self._probe_store(elsewhere)
 
     def _apply_touches(self) -> None:
-        if self.cache is None or not self._touches:
+        if self.cache is None:
             return
-        keys: list[str] = []
+        keys: list[str] = []  # may stay empty: touch() then just writes out buffered touches once due
         while self._touches:
             keys.extend(self._touches.popleft())
         try:
@@ -284,6 +284,8 @@ class TieredStore:
         else:
             out = [self._load_local(key, dest) for key, dest in items]
         hits = sum(out)
+        if hits and self.cache is not None:
+            self._touches.append([key for (key, _), ok in zip(items, out, strict=True) if ok])
         if hits:  # metrics once per batch: the per-chunk loop stays as short as possible
             per_chunk = (time.perf_counter() - start) / len(items)
             nvme_seconds = self.metrics.read_seconds.labels("nvme")
@@ -352,7 +354,7 @@ class TieredStore:
 
     def _load_from_nvme(self, key: str, dest: memoryview) -> bool:
         assert self.cache is not None
-        located = self.cache.locate(key)
+        located = self.cache.locate(key, touch=False)
         if located is None:
             return False
         try:
