@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
-from kvstore.admin import routes_gc, routes_pins
+from kvstore.admin import routes_gc, routes_pins, routes_warm
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstore.errors import KVStoreError
@@ -33,6 +33,7 @@ def create_app(node: Node) -> FastAPI:
     app.state.gc_pinned = bucket_and_node_pins
     app.include_router(routes_gc.router)
     app.include_router(routes_pins.router)
+    app.include_router(routes_warm.router)
 
     @app.get("/healthz")
     def healthz() -> JSONResponse:

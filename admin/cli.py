@@ -177,6 +177,74 @@ def pin_rm(name: Annotated[str, typer.Argument(help="Pin name")]) -> None:
 
 
 @app.command()
+def stats(
+    scan_bucket: Annotated[bool, typer.Option(help="Count the bucket's chunk objects (lists it)")] = True,
+) -> None:
+    """Per-tier usage and hit rates, NVMe usage, bucket size, pins and the last GC of this node."""
+    from kvstore.runtime import open_node
+    from kvstore.stats import node_stats
+
+    settings = _settings()
+    try:
+        node = open_node(settings, check_store=False)
+    except KVStoreError as exc:
+        err.print(f"[red]cannot open the node:[/red] {exc}")
+        raise typer.Exit(EXIT_UNAVAILABLE) from None
+    try:
+        console.print_json(json.dumps(node_stats(node, scan_bucket=scan_bucket), default=str))
+    finally:
+        node.close()
+
+
+@app.command()
+def warm(
+    namespace: Annotated[str, typer.Option(help="Namespace id (<model>_<sha12>, as in the bucket)")],
+    token_ids: Annotated[str | None, typer.Option(help="Comma-separated token ids")] = None,
+    prompt: Annotated[str | None, typer.Option(help="Prompt text (needs --model-path)")] = None,
+    model_path: Annotated[Path | None, typer.Option(help="Model dir holding tokenizer.json")] = None,
+    vllm_url: Annotated[
+        str | None, typer.Option(help="vLLM OpenAI endpoint that produces missing chunks")
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Model name at that endpoint (default: its first)")
+    ] = None,
+    pin: Annotated[str | None, typer.Option(help="Also pin the chunks under this name")] = None,
+) -> None:
+    """Prefetch a prompt's chunks into this node's NVMe cache; have vLLM produce the missing ones."""
+    from kvstore.pins import tokens_from_prompt
+    from kvstore.runtime import open_node
+    from kvstore.warm import warm as run_warm
+
+    if (prompt is None) == (token_ids is None) or (prompt is not None and model_path is None):
+        err.print("[red]give exactly one of --prompt (with --model-path) or --token-ids[/red]")
+        raise typer.Exit(EXIT_CONFIG)
+    settings = _settings()
+    try:
+        node = open_node(settings)
+    except KVStoreError as exc:
+        err.print(f"[red]cannot open the node:[/red] {exc}")
+        raise typer.Exit(EXIT_UNAVAILABLE) from None
+    try:
+        if token_ids is not None:
+            tokens = [int(t) for t in token_ids.split(",") if t.strip()]
+        else:
+            assert prompt is not None and model_path is not None
+            tokens = tokens_from_prompt(model_path, prompt)
+        report = run_warm(node, namespace, tokens, vllm_url=vllm_url, model=model, pin=pin)
+    except (ValueError, ConfigError) as exc:
+        err.print(f"[red]bad arguments:[/red] {exc}")
+        raise typer.Exit(EXIT_CONFIG) from None
+    except KVStoreError as exc:
+        err.print(f"[red]warm failed:[/red] {exc}")
+        raise typer.Exit(EXIT_UNAVAILABLE) from None
+    finally:
+        node.close()
+    console.print_json(json.dumps(report.as_dict()))
+    if report.still_missing:
+        raise typer.Exit(EXIT_PROBLEMS)
+
+
+@app.command()
 def migrate() -> None:
     """Apply the numbered migrations to this node's cache index and to the bucket layout."""
     from kvstore.migrations.runner import migrate as run_migrations

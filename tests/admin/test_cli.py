@@ -148,6 +148,19 @@ def test_pin_add_ls_rm_and_migrate(tmp_path: Path, s3_server: Any, s3_store: Any
     )
     assert bad.returncode == 2
 
+    stats = subprocess.run([*KVSTORE, "stats"], env=env, capture_output=True, text=True)
+    assert stats.returncode == 0, stats.stdout + stats.stderr
+    assert json.loads(stats.stdout)["bucket"]["chunk_objects"] == 0
+    # Nothing stored and no vLLM endpoint to produce the chunks: warm reports them missing, exit 1.
+    warm = subprocess.run(
+        [*KVSTORE, "warm", "--namespace", ns.id, "--token-ids", tokens],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert warm.returncode == 1, warm.stdout + warm.stderr
+    assert json.loads(warm.stdout)["still_missing"] == 2
+
     first = subprocess.run([*KVSTORE, "migrate"], env=env, capture_output=True, text=True)
     assert first.returncode == 0, first.stdout + first.stderr
     again = subprocess.run([*KVSTORE, "migrate"], env=env, capture_output=True, text=True)

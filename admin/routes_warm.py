@@ -1,0 +1,99 @@
+"""Admin routes for warming and node statistics: `POST /v1/warm` (a job) and `GET /v1/stats`.
+
+A warm request names the namespace and the prompt exactly like a pin request (`routes_pins.PinIn`, whose
+validation and parsing this module reuses). The namespace, tokens and pin name are checked before answering,
+so bad input is a 4xx at once (404 unknown namespace, 422 malformed); the warming itself (prefetching, a
+vLLM request, waiting for uploads) runs as a job in the registry `routes_gc` keeps (`GET /v1/jobs/{id}`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
+from kvstore.admin.auth import require_token
+from kvstore.admin.routes_gc import _registry
+from kvstore.admin.routes_pins import PinIn, _namespace, _tokens
+from pydantic import Field, field_validator
+
+from kvstore.errors import ConfigError
+from kvstore.pins import NamespaceNotFound, keys_for_tokens, validate_pin_name
+from kvstore.runtime import Node
+from kvstore.stats import node_stats
+from kvstore.warm import warm
+
+__all__ = ["WarmIn", "router"]
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], tags=["warm"])
+
+
+# mypy sees `kvstore.admin.*` as untyped (the folder is mapped by setuptools), hence the ignore.
+class WarmIn(PinIn):  # type: ignore[misc]
+    """Body of `POST /v1/warm`: the pin request's namespace and prompt fields, plus what to do.
+
+    `pin` names a pin manifest to write for the chunks (`ttl_seconds` is its TTL); `name` is not used."""
+
+    name: str = Field(default="", description="unused by /v1/warm (see 'pin')")
+    vllm_url: str | None = None
+    model: str | None = None  # vLLM's served model name; default: the first one it lists
+    prefetch: bool = True
+    pin: str | None = None
+    timeout_s: float = Field(default=120.0, gt=0, le=3600, allow_inf_nan=False)
+    poll_s: float = Field(default=15.0, ge=0, le=3600, allow_inf_nan=False)
+
+    @field_validator("vllm_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("vllm_url must start with http:// or https://")
+        return value
+
+    @field_validator("pin")
+    @classmethod
+    def _pin_name(cls, value: str | None) -> str | None:
+        return None if value is None else validate_pin_name(value)
+
+
+@router.post("/warm", status_code=status.HTTP_202_ACCEPTED)
+def start_warm(body: WarmIn, request: Request) -> dict[str, Any]:
+    node: Node = request.app.state.node
+    try:
+        namespace = _namespace(body, node)
+        tokens = _tokens(body)
+        if not keys_for_tokens(namespace, tokens, blocks_per_chunk=body.blocks_per_chunk):
+            raise ConfigError(
+                f"{len(tokens)} tokens make no full chunk "
+                f"(tokens_per_hash={namespace.tokens_per_hash}); nothing to warm"
+            )
+    except NamespaceNotFound as exc:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from None
+    except ConfigError as exc:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
+    registry = _registry(request)
+    job = registry.create("warm")
+
+    def work() -> dict[str, Any]:
+        report = warm(
+            node,
+            namespace,
+            tokens,
+            vllm_url=body.vllm_url,
+            model=body.model,
+            prefetch=body.prefetch,
+            pin=body.pin,
+            pin_ttl_s=body.ttl_seconds,
+            blocks_per_chunk=body.blocks_per_chunk,
+            timeout_s=body.timeout_s,
+            poll_s=body.poll_s,
+        )
+        return report.as_dict()
+
+    accepted = {"id": job.id, "status": job.status, "namespace": namespace.id, "num_tokens": len(tokens)}
+    registry.run(job, work)
+    return accepted
+
+
+@router.get("/stats")
+def stats(request: Request, scan_bucket: Annotated[bool, Query()] = True) -> dict[str, Any]:
+    node: Node = request.app.state.node
+    return node_stats(node, scan_bucket=scan_bucket)

@@ -1,0 +1,114 @@
+"""One node's figures in one dict: tier hit rates, NVMe usage, upload backlog, bucket size, pins, last GC.
+
+`node_stats` backs `GET /v1/stats` and `kvstore stats`. Every section is computed independently: a store that
+is down turns its sections into `{"error": ...}` instead of failing the whole answer. Counting the bucket
+streams a listing of every object (memory stays bounded, time does not): pass `scan_bucket=False` on huge
+buckets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvstore.cache import NVMeCache
+from kvstore.engine import TieredStore
+from kvstore.errors import KVStoreError
+from kvstore.gc import is_chunk_key, list_reports
+from kvstore.pins import list_pins
+from kvstore.runtime import Node
+from kvstore.stores import ObjectStore
+
+__all__ = ["BucketSize", "bucket_size", "node_stats"]
+
+
+@dataclass(frozen=True)
+class BucketSize:
+    """The store's chunk objects (`.bin` outside `_meta/`): how many, how many bytes."""
+
+    chunk_objects: int
+    chunk_bytes: int
+
+
+def bucket_size(store: ObjectStore) -> BucketSize:
+    """Count the store's chunk objects and their bytes with one streamed listing."""
+    objects = 0
+    size = 0
+    for info in store.list():
+        if is_chunk_key(info.key):
+            objects += 1
+            size += info.size
+    return BucketSize(chunk_objects=objects, chunk_bytes=size)
+
+
+def _ratio(part: float, whole: float) -> float | None:
+    return part / whole if whole > 0 else None
+
+
+def _tiers(engine: TieredStore) -> dict[str, Any]:
+    snapshot = engine.metrics.snapshot()
+    out: dict[str, Any] = {}
+    for tier, fig in snapshot.per_tier.items():
+        out[tier] = {
+            "queries": int(fig.queries),
+            "hits": int(fig.hits),
+            "hit_rate": _ratio(fig.hits, fig.queries),
+            "read_bytes": int(fig.read_bytes),
+            "write_bytes": int(fig.write_bytes),
+            "checksum_failures": int(fig.checksum_failures),
+        }
+    return {"tiers": out, "stores_dropped": int(snapshot.stores_dropped)}
+
+
+def _nvme(cache: NVMeCache) -> dict[str, Any]:
+    try:
+        usage = cache.usage()
+    except KVStoreError as exc:
+        return {"directory": str(cache.directory), "error": str(exc)}
+    return {
+        "directory": str(cache.directory),
+        "used_bytes": usage.used_bytes,
+        "budget_bytes": usage.budget_bytes,
+        "used_fraction": _ratio(usage.used_bytes, usage.budget_bytes),
+        "entries": usage.entries,
+        "pinned_entries": usage.pinned_entries,
+    }
+
+
+def node_stats(node: Node, *, scan_bucket: bool = True) -> dict[str, Any]:
+    """A JSON-ready summary of the node. `scan_bucket=False` skips the (full) bucket listing."""
+    out: dict[str, Any] = _tiers(node.engine)
+    out["nvme"] = _nvme(node.cache)
+    out["upload_queue_bytes"] = node.engine.upload_queue_bytes
+    store: dict[str, Any] = {"url": node.store.url}
+    try:
+        node.store.check()
+        store["reachable"] = True
+    except KVStoreError as exc:
+        store.update(reachable=False, error=str(exc))
+    out["store"] = store
+    if not store["reachable"]:
+        unreachable = {"error": f"object store unreachable: {store['error']}"}
+        out["bucket"] = {"skipped": not scan_bucket, **unreachable}
+        out["pins"] = dict(unreachable)
+        out["last_gc"] = None
+        return out
+    if scan_bucket:
+        try:
+            out["bucket"] = {"skipped": False, **asdict(bucket_size(node.store))}
+        except KVStoreError as exc:
+            out["bucket"] = {"skipped": False, "error": str(exc)}
+    else:
+        out["bucket"] = {"skipped": True}
+    try:
+        pins = list_pins(node.store)
+        live = sum(1 for p in pins if not p.expired())
+        out["pins"] = {"count": len(pins), "live": live}
+    except KVStoreError as exc:
+        out["pins"] = {"error": str(exc)}
+    try:
+        reports = list_reports(node.store, 1)
+        out["last_gc"] = reports[0] if reports else None
+    except KVStoreError as exc:
+        out["last_gc"] = {"error": str(exc)}
+    return out

@@ -1,0 +1,268 @@
+"""Warm the cache for a prompt before traffic arrives: make its chunks exist in the bucket and on this node.
+
+`warm(node, namespace, token_ids, ...)` names the prompt's chunks exactly as the vLLM tier will
+(`kvstore.pins.keys_for_tokens`), then for each chunk:
+
+- already on this node (NVMe or the upload queue): nothing to do;
+- in the bucket only: with `prefetch`, GET it, verify it and write it to this node's NVMe now (`prefetch`);
+- nowhere: with `vllm_url`, one completion request (`max_tokens=1`) makes a vLLM engine running our tier
+  compute the prompt's KV and store it; the tier uploads write-behind, so the bucket is polled until the
+  chunks appear or `poll_s` runs out. Those chunks are not prefetched again here: the engine that produced
+  them wrote them to its own NVMe cache (the same cache when it runs on this node).
+
+With `pin`, a pin manifest naming every chunk key is written afterwards (GC keeps them; nodes hold them).
+`WarmReport` counts each outcome; an unreachable or failing vLLM raises `VLLMUnreachable` / `VLLMError`,
+both naming the URL. This module never imports vLLM or torch: it speaks HTTP (httpx).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+
+from kvstore.chunk import encode
+from kvstore.engine import TieredStore
+from kvstore.engine.probes import Presence
+from kvstore.errors import ConfigError, KVStoreError, StoreError
+from kvstore.keys import Namespace
+from kvstore.pins import PinExists, create_pin, keys_for_tokens, load_namespace
+from kvstore.runtime import Node
+
+__all__ = ["VLLMError", "VLLMUnreachable", "WarmError", "WarmReport", "prefetch", "request_prefill", "warm"]
+
+log = logging.getLogger(__name__)
+
+_PREFETCH_WORKERS = 8
+_POLL_INTERVAL_S = 0.25
+
+
+class WarmError(KVStoreError):
+    """Warming could not do what was asked."""
+
+
+class VLLMUnreachable(WarmError):
+    """No vLLM server answered at the URL (connection refused, DNS, timeout)."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"vLLM at {url} is unreachable: {reason}")
+        self.url = url
+
+
+class VLLMError(WarmError):
+    """The vLLM server answered, but not with a completion (bad model name, prompt too long, ...)."""
+
+    def __init__(self, url: str, status: int, detail: str) -> None:
+        super().__init__(f"vLLM at {url} answered {status}: {detail}")
+        self.url = url
+        self.status = status
+
+
+@dataclass(frozen=True)
+class WarmReport:
+    """What one `warm` call found and did. `already_local + remote + produced + still_missing == total`."""
+
+    namespace: str
+    num_tokens: int
+    total: int  # chunk keys of the prompt (full chunks only, every KV-cache group)
+    already_local: int  # on this node before the call
+    remote: int  # in the bucket (not on this node) before the call
+    prefetched: int  # of `remote`, written to this node's NVMe by this call
+    produced: int  # missing before, in the bucket after the vLLM request
+    still_missing: int  # in neither place at the end
+    pin: str | None  # the pin manifest written, if any
+    errors: tuple[str, ...]  # non-fatal problems (a chunk that failed to prefetch, a pin name taken, ...)
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["errors"] = list(self.errors)
+        return out
+
+
+def prefetch(engine: TieredStore, keys: Sequence[str], *, workers: int = _PREFETCH_WORKERS) -> int:
+    """Bring `keys` from the object store into the engine's NVMe cache now; how many are cached after.
+
+    Each chunk is read through `engine.get` (verified; a corrupt object counts as missing) and re-encoded
+    with the engine's codec. A chunk the engine's own background admission wrote first counts as cached."""
+    cache = engine.cache
+    if cache is None:
+        raise ConfigError("prefetch needs an engine with an NVMe cache")
+    if not keys:
+        return 0
+
+    def one(key: str) -> bool:
+        raw = engine.get(key)
+        if raw is None:
+            return False
+        blob = encode(raw, engine.codec, element_width=engine.element_width)
+        return cache.put(key, blob) or cache.contains(key)
+
+    with ThreadPoolExecutor(
+        max_workers=max(1, min(workers, len(keys))), thread_name_prefix="kvstore-warm"
+    ) as pool:
+        return sum(pool.map(one, keys))
+
+
+def request_prefill(
+    vllm_url: str,
+    token_ids: Sequence[int],
+    *,
+    model: str | None = None,
+    timeout_s: float = 120.0,
+    client: httpx.Client | None = None,
+) -> str:
+    """Ask a vLLM OpenAI server to process `token_ids` (one completion, `max_tokens=1`, greedy). Without
+    `model`, the server's first listed model is used. Returns the model name used."""
+    base = vllm_url.rstrip("/")
+    if not base.startswith(("http://", "https://")):
+        raise ConfigError(f"vllm_url must start with http:// or https://, got {vllm_url!r}")
+    own = client is None
+    http = client or httpx.Client(timeout=timeout_s)
+    try:
+        if model is None:
+            listing = _call(http, "GET", f"{base}/v1/models", base, None, timeout_s)
+            try:
+                model = str(listing["data"][0]["id"])
+            except (KeyError, IndexError, TypeError):
+                raise VLLMError(base, 200, "GET /v1/models listed no model") from None
+        body = {"model": model, "prompt": list(token_ids), "max_tokens": 1, "temperature": 0}
+        _call(http, "POST", f"{base}/v1/completions", base, body, timeout_s)
+        return model
+    finally:
+        if own:
+            http.close()
+
+
+def _call(
+    http: httpx.Client, method: str, url: str, base: str, body: dict[str, Any] | None, timeout_s: float
+) -> Any:
+    try:
+        response = http.request(method, url, json=body, timeout=timeout_s)
+    except httpx.TransportError as exc:  # connect errors, timeouts, protocol errors
+        raise VLLMUnreachable(base, f"{type(exc).__name__}: {exc}") from None
+    if response.status_code >= 400:
+        detail = response.text[:500].strip() or response.reason_phrase
+        raise VLLMError(base, response.status_code, detail)
+    try:
+        return response.json()
+    except ValueError:
+        raise VLLMError(base, response.status_code, "answer is not JSON") from None
+
+
+def _exists(node: Node, keys: list[str]) -> list[bool]:
+    """Which `keys` the bucket holds now; a failing store answers "none" (logged)."""
+    try:
+        return node.store.exists_many(keys)
+    except StoreError as exc:
+        log.warning("could not ask the object store about %d chunks: %s", len(keys), exc)
+        return [False] * len(keys)
+
+
+def _wait_for(node: Node, keys: list[str], poll_s: float) -> list[bool]:
+    """Poll the bucket until every key exists or `poll_s` passes; which keys exist at the end."""
+    deadline = time.monotonic() + poll_s
+    present = [False] * len(keys)
+    while True:
+        todo = [i for i, ok in enumerate(present) if not ok]
+        found = _exists(node, [keys[i] for i in todo])
+        for i, ok in zip(todo, found, strict=True):
+            present[i] = ok
+        if all(present) or time.monotonic() >= deadline:
+            return present
+        time.sleep(_POLL_INTERVAL_S)
+
+
+def warm(
+    node: Node,
+    namespace: Namespace | str,
+    token_ids: Sequence[int],
+    *,
+    vllm_url: str | None = None,
+    model: str | None = None,
+    prefetch: bool = True,
+    pin: str | None = None,
+    pin_ttl_s: float | None = None,
+    blocks_per_chunk: int = 1,
+    timeout_s: float = 120.0,
+    poll_s: float = 15.0,
+    client: httpx.Client | None = None,
+) -> WarmReport:
+    """Make the chunks of `token_ids` present (see the module docstring). `namespace` is a `Namespace` or
+    the id of one published in the bucket. `timeout_s` bounds the vLLM request, `poll_s` the wait for its
+    uploads. Raises `NamespaceNotFound`, `ConfigError` (no full chunk, bad URL), `VLLMUnreachable`,
+    `VLLMError`."""
+    started = time.monotonic()
+    ns = load_namespace(node.store, namespace) if isinstance(namespace, str) else namespace
+    keys = list(dict.fromkeys(keys_for_tokens(ns, token_ids, blocks_per_chunk=blocks_per_chunk)))
+    if not keys:
+        raise ConfigError(
+            f"{len(token_ids)} tokens make no full chunk "
+            f"(tokens_per_hash={ns.tokens_per_hash}); nothing to warm"
+        )
+    errors: list[str] = []
+    where = node.engine.lookup(keys, wait=True)
+    local = [k for k, p in zip(keys, where, strict=True) if p is Presence.LOCAL]
+    remote = [k for k, p in zip(keys, where, strict=True) if p is Presence.REMOTE]
+    missing = [k for k, p in zip(keys, where, strict=True) if p not in (Presence.LOCAL, Presence.REMOTE)]
+    if missing:
+        # The engine remembers misses for `probe_miss_ttl_s`; ask the bucket itself before recomputing.
+        fresh = _exists(node, missing)
+        remote += [k for k, ok in zip(missing, fresh, strict=True) if ok]
+        missing = [k for k, ok in zip(missing, fresh, strict=True) if not ok]
+
+    prefetched = 0
+    if prefetch and remote:
+        prefetched = _prefetch_checked(node, remote, missing, errors)
+
+    produced = 0
+    if missing and vllm_url is not None:
+        used = request_prefill(vllm_url, token_ids, model=model, timeout_s=timeout_s, client=client)
+        log.info("asked vLLM at %s (model %s) to prefill %d tokens", vllm_url, used, len(token_ids))
+        present = _wait_for(node, missing, poll_s)
+        produced = sum(present)
+        missing = [k for k, ok in zip(missing, present, strict=True) if not ok]
+        if missing:
+            errors.append(
+                f"{len(missing)} chunks did not appear in the bucket within {poll_s:g}s of the vLLM request "
+                "(is the server running the KVStore tier on this bucket and namespace?)"
+            )
+
+    pinned: str | None = None
+    if pin is not None:
+        try:
+            create_pin(node.store, pin, ns, keys, ttl_seconds=pin_ttl_s)
+            pinned = pin
+        except PinExists as exc:
+            errors.append(str(exc))
+    return WarmReport(
+        namespace=ns.id,
+        num_tokens=len(token_ids),
+        total=len(keys),
+        already_local=len(local),
+        remote=len(remote),
+        prefetched=prefetched,
+        produced=produced,
+        still_missing=len(missing),
+        pin=pinned,
+        errors=tuple(errors),
+        seconds=round(time.monotonic() - started, 3),
+    )
+
+
+def _prefetch_checked(node: Node, remote: list[str], missing: list[str], errors: list[str]) -> int:
+    """Prefetch `remote`; keys that turn out gone from the bucket move to `missing` (and `remote` shrinks)."""
+    count = prefetch(node.engine, remote)
+    if count == len(remote):
+        return count
+    cached = node.cache.contains_many(remote)
+    gone = [k for k, ok in zip(remote, cached, strict=True) if not ok]
+    errors.append(f"{len(gone)} chunks listed in the bucket could not be fetched or verified")
+    remote[:] = [k for k, ok in zip(remote, cached, strict=True) if ok]
+    missing.extend(gone)
+    return count

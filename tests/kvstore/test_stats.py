@@ -1,0 +1,95 @@
+"""`kvstore.stats.node_stats` against a real S3 server and a real NVMe cache."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvstore.config import load_settings
+from kvstore.gc import run_gc
+from kvstore.keys import KVCacheGroup, Namespace
+from kvstore.metrics import EngineMetrics
+from kvstore.pins import create_pin, keys_for_tokens
+from kvstore.runtime import Node, open_node
+from kvstore.stats import bucket_size, node_stats
+
+pytestmark = pytest.mark.integration
+
+NS = Namespace(
+    model_name="org/tiny", tokens_per_hash=16, dtype="bfloat16", kv_cache_groups=(KVCacheGroup(16, ("l0",)),)
+)
+
+
+@pytest.fixture
+def node(s3_server: Any, s3_store: Any, tmp_path: Path) -> Iterator[Node]:
+    settings = load_settings(
+        store_url=f"s3://{s3_store.bucket}/{s3_store.prefix}",
+        s3_endpoint=s3_server.endpoint,
+        access_key=s3_server.access_key,
+        secret_key=s3_server.secret_key,
+        cache_dir=tmp_path / "cache",
+        cache_bytes=16 << 20,
+    )
+    opened = open_node(settings, metrics=EngineMetrics(CollectorRegistry()))
+    yield opened
+    opened.close()
+
+
+def test_empty_node(node: Node) -> None:
+    stats = node_stats(node)
+    assert stats["store"]["reachable"] is True
+    assert stats["bucket"] == {"skipped": False, "chunk_objects": 0, "chunk_bytes": 0}
+    assert stats["nvme"]["entries"] == 0 and stats["nvme"]["budget_bytes"] == 16 << 20
+    assert stats["tiers"]["nvme"]["hit_rate"] is None  # no queries yet: no rate, not 0
+    assert stats["pins"] == {"count": 0, "live": 0} and stats["last_gc"] is None
+    assert stats["upload_queue_bytes"] == 0
+    json.dumps(stats)  # JSON-ready
+
+
+def test_figures_after_traffic(node: Node) -> None:
+    keys = keys_for_tokens(NS, list(range(96)))  # 6 chunks
+    node.engine.store_many([(k, bytes(1000)) for k in keys])
+    assert node.engine.flush(30)
+    node.store.put("_meta/access/x.bin", b"meta objects are not chunks")
+    node.engine.lookup([*keys[:3], "ns_r0/abc/de_g0/missing.bin"], wait=True)
+    create_pin(node.store, "sys", NS, keys[:2])
+    create_pin(node.store, "old", NS, keys[:1], ttl_seconds=1e-6)
+    run_gc(node.store, ttl_seconds=3600, grace_seconds=600, dry_run=True)
+
+    stats = node_stats(node)
+    assert stats["bucket"]["chunk_objects"] == 6
+    assert stats["bucket"]["chunk_bytes"] == sum(o.size for o in node.store.list() if o.key in keys)
+    assert stats["nvme"]["entries"] == 6 and stats["nvme"]["used_bytes"] > 6000
+    assert 0 < stats["nvme"]["used_fraction"] < 1
+    nvme = stats["tiers"]["nvme"]
+    assert (nvme["queries"], nvme["hits"], nvme["hit_rate"]) == (4, 3, 0.75)
+    assert stats["tiers"]["object"]["queries"] == 1 and stats["tiers"]["object"]["hits"] == 0
+    assert stats["pins"] == {"count": 2, "live": 1}
+    assert stats["last_gc"]["dry_run"] is True and stats["last_gc"]["objects"] == 6
+
+    skipped = node_stats(node, scan_bucket=False)
+    assert skipped["bucket"] == {"skipped": True}
+    assert bucket_size(node.store).chunk_objects == 6
+
+
+def test_unreachable_store_is_reported_not_raised(node: Node, tmp_path: Path) -> None:
+    from kvstore.stores.s3 import S3Options, S3Store
+
+    dead = S3Store(
+        "nobucket", endpoint="http://127.0.0.1:9", access_key="a", secret_key="b",
+        options=S3Options(connect_timeout=0.2, retries=0),
+    )  # fmt: skip
+    node.store, real = dead, node.store
+    try:
+        stats = node_stats(node)
+    finally:
+        node.store = real
+        dead.close()
+    assert stats["store"]["reachable"] is False and "error" in stats["store"]
+    assert "error" in stats["bucket"] and "error" in stats["pins"] and stats["last_gc"] is None
+    assert stats["nvme"]["entries"] == 0

@@ -1,0 +1,211 @@
+"""`kvstore.warm` against a real S3 server and real NVMe caches: one node stores, another node warms.
+
+The vLLM request is exercised here through an `httpx.MockTransport` standing in for the server (its handler
+uploads the chunks, as the tier would); `tests/connector/test_warm_vllm.py` runs the real thing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvstore.chunk import encode
+from kvstore.config import load_settings
+from kvstore.errors import ConfigError
+from kvstore.keys import KVCacheGroup, Namespace
+from kvstore.metrics import EngineMetrics
+from kvstore.pins import NamespaceNotFound, get_pin, keys_for_tokens
+from kvstore.runtime import Node, open_node
+from kvstore.warm import VLLMError, VLLMUnreachable, prefetch, warm
+
+pytestmark = pytest.mark.integration
+
+NS = Namespace(
+    model_name="org/tiny", tokens_per_hash=16, dtype="bfloat16", kv_cache_groups=(KVCacheGroup(16, ("l0",)),)
+)
+TOKENS = list(range(160))  # 10 full chunks
+
+
+def raw_for(key: str) -> bytes:
+    return (key.encode() * 200)[:4096]
+
+
+@pytest.fixture
+def make_node(s3_server: Any, s3_store: Any, tmp_path: Path) -> Iterator[Callable[[str], Node]]:
+    opened: list[Node] = []
+
+    def make(name: str) -> Node:
+        settings = load_settings(
+            store_url=f"s3://{s3_store.bucket}/{s3_store.prefix}",
+            s3_endpoint=s3_server.endpoint,
+            access_key=s3_server.access_key,
+            secret_key=s3_server.secret_key,
+            cache_dir=tmp_path / name,
+            cache_bytes=16 << 20,
+        )
+        node = open_node(settings, metrics=EngineMetrics(CollectorRegistry()))
+        opened.append(node)
+        return node
+
+    yield make
+    for node in opened:
+        node.close()
+
+
+def seed(node: Node, keys: list[str]) -> None:
+    """Publish the namespace and store `keys` through the node's engine (NVMe + write-behind upload)."""
+    node.store.put(NS.config_key, json.dumps(NS.fields()).encode())
+    node.engine.store_many([(k, raw_for(k)) for k in keys])
+    assert node.engine.flush(30)
+
+
+def test_prefetch_warms_a_second_node(make_node: Callable[[str], Node]) -> None:
+    keys = keys_for_tokens(NS, TOKENS)
+    seed(make_node("a"), keys)
+    b = make_node("b")
+    report = warm(b, NS.id, TOKENS)
+    assert (report.total, report.already_local, report.remote, report.prefetched) == (10, 0, 10, 10)
+    assert report.produced == 0 and report.still_missing == 0 and report.errors == ()
+    assert report.namespace == NS.id and report.num_tokens == 160
+    assert all(b.cache.contains_many(keys))
+    assert all(b.engine.get(k) == raw_for(k) for k in keys)
+
+    again = warm(b, NS, TOKENS)
+    assert (again.already_local, again.remote, again.prefetched) == (10, 0, 0)
+    assert again.as_dict()["errors"] == []
+
+
+def test_no_prefetch_only_reports(make_node: Callable[[str], Node]) -> None:
+    keys = keys_for_tokens(NS, TOKENS)
+    seed(make_node("a"), keys[:4])
+    b = make_node("b")
+    report = warm(b, NS.id, TOKENS, prefetch=False)
+    assert (report.remote, report.prefetched, report.still_missing) == (4, 0, 6)
+    assert not any(b.cache.contains_many(keys))
+
+
+def test_prefetch_function_counts_and_skips_bad_objects(make_node: Callable[[str], Node]) -> None:
+    keys = keys_for_tokens(NS, TOKENS)
+    seed(make_node("a"), keys[:3])
+    b = make_node("b")
+    b.store.put(keys[3], b"not a chunk")
+    assert prefetch(b.engine, keys[:5]) == 3  # keys[3] fails verification, keys[4] does not exist
+    assert b.cache.contains_many(keys[:5]) == [True, True, True, False, False]
+    assert prefetch(b.engine, []) == 0
+
+
+def test_corrupt_remote_chunk_counts_as_missing(make_node: Callable[[str], Node]) -> None:
+    keys = keys_for_tokens(NS, TOKENS)
+    seed(make_node("a"), keys[:9])
+    b = make_node("b")
+    b.store.put(keys[9], encode(b"x" * 64)[:-8])  # truncated: fails verification on fetch
+    report = warm(b, NS.id, TOKENS)
+    assert (report.remote, report.prefetched, report.still_missing) == (9, 9, 1)
+    assert any("could not be fetched" in e for e in report.errors)
+
+
+def test_pin_is_written_once(make_node: Callable[[str], Node]) -> None:
+    keys = keys_for_tokens(NS, TOKENS)
+    a = make_node("a")
+    seed(a, keys)
+    report = warm(a, NS.id, TOKENS, pin="sys", pin_ttl_s=60)
+    assert report.pin == "sys" and report.already_local == 10
+    assert list(get_pin(a.store, "sys").keys) == keys
+    again = warm(a, NS.id, TOKENS, pin="sys")
+    assert again.pin is None and any("already exists" in e for e in again.errors)
+
+
+def test_bad_input(make_node: Callable[[str], Node]) -> None:
+    b = make_node("b")
+    with pytest.raises(NamespaceNotFound):
+        warm(b, NS.id, TOKENS)
+    with pytest.raises(ConfigError, match="no full chunk"):
+        warm(b, NS, TOKENS[:10])
+    with pytest.raises(ConfigError, match="http"):
+        warm(b, NS, TOKENS, vllm_url="localhost:8000")
+
+
+def test_unreachable_vllm_is_a_typed_error_naming_the_url(make_node: Callable[[str], Node]) -> None:
+    b = make_node("b")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with pytest.raises(VLLMUnreachable, match=url) as info:
+        warm(b, NS, TOKENS, vllm_url=url, model="m", timeout_s=2)
+    assert info.value.url == url
+
+
+def test_vllm_request_produces_chunks(make_node: Callable[[str], Node]) -> None:
+    keys = keys_for_tokens(NS, TOKENS)
+    a = make_node("a")
+    seed(a, keys[:2])
+    b = make_node("b")
+    seen: list[dict[str, Any]] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "served-tiny"}]})
+        assert request.url.path == "/v1/completions"
+        seen.append(json.loads(request.content))
+        # What the tier does after the prefill: write-behind uploads of every full chunk.
+        a.engine.store_many([(k, raw_for(k)) for k in keys])
+        return httpx.Response(200, json={"choices": [{"text": "x"}]})
+
+    with httpx.Client(transport=httpx.MockTransport(server)) as client:
+        report = warm(b, NS.id, TOKENS, vllm_url="http://vllm:8000/", poll_s=20, client=client)
+    assert seen == [{"model": "served-tiny", "prompt": TOKENS, "max_tokens": 1, "temperature": 0}]
+    assert (report.remote, report.prefetched, report.produced, report.still_missing) == (2, 2, 8, 0)
+    assert all(a.store.exists_many(keys))
+
+
+def test_vllm_error_and_chunks_that_never_appear(make_node: Callable[[str], Node]) -> None:
+    b = make_node("b")
+    b.store.put(NS.config_key, json.dumps(NS.fields()).encode())
+
+    def refuses(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json={"message": "model 'nope' does not exist"})
+
+    with (
+        httpx.Client(transport=httpx.MockTransport(refuses)) as client,
+        pytest.raises(VLLMError, match="http://vllm:8000 answered 400") as info,
+    ):
+        warm(b, NS.id, TOKENS, vllm_url="http://vllm:8000", model="nope", client=client)
+    assert info.value.status == 400
+
+    def ignores(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"choices": [{"text": "x"}]})
+
+    with httpx.Client(transport=httpx.MockTransport(ignores)) as client:
+        report = warm(b, NS.id, TOKENS, vllm_url="http://vllm:8000", model="m", poll_s=0.3, client=client)
+    assert report.produced == 0 and report.still_missing == 10
+    assert any("did not appear" in e for e in report.errors)
+
+
+def test_keeps_kvstore_free_of_vllm_and_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, kvstore.warm, kvstore.stats; print(any(m in sys.modules for m in ('vllm', 'torch')))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, check=True
+    )
+    assert out.stdout.strip() == "False"
+
+
+def test_a_remembered_miss_does_not_hide_a_new_chunk(make_node: Callable[[str], Node]) -> None:
+    keys = keys_for_tokens(NS, TOKENS)
+    a, b = make_node("a"), make_node("b")
+    a.store.put(NS.config_key, json.dumps(NS.fields()).encode())
+    assert warm(b, NS.id, TOKENS).still_missing == 10  # b's engine now remembers 10 misses
+    seed(a, keys)
+    report = warm(b, NS.id, TOKENS)
+    assert (report.remote, report.prefetched, report.still_missing) == (10, 10, 0)
