@@ -86,6 +86,18 @@ class _Ports:
         return self.by_flag["s3.port"]
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: on Linux, get SIGTERM when the process that started us dies, so a killed
+    `kvstore serve` or test run never leaves a server behind. Elsewhere a no-op."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 class SeaweedServer:
     """One `weed mini` process serving S3 on `endpoint`, with data and logs under `data_dir`.
 
@@ -173,6 +185,7 @@ class SeaweedServer:
             env=env,
             cwd=self.data_dir,
             start_new_session=True,  # its own process group, so stop() reaches every child
+            preexec_fn=_die_with_parent,
         )
         try:
             self._wait_ready(began + timeout)
