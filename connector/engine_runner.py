@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineError", "EngineRun", "RequestResult", "run_engine", "shm_snapshot"]
+__all__ = ["EngineError", "EngineRun", "RequestResult", "remove_new_shm", "run_engine", "shm_snapshot"]
 
 SHM = Path("/dev/shm")
 
@@ -188,7 +188,7 @@ def run_engine(
             log_tail=_tail(log_path),
         )
     finally:
-        _remove_new_shm(before)
+        remove_new_shm(before)
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -233,7 +233,7 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=10)
 
 
-def _remove_new_shm(before: set[str]) -> None:
+def remove_new_shm(before: set[str]) -> None:
     """Remove /dev/shm entries created during the run that look like vLLM's or torch's."""
     prefixes = ("vllm", "psm_", "torch_", "sem.mp-", "sem.loky-", "wrk_", "__KMP")
     for name in shm_snapshot() - before:

