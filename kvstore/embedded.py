@@ -10,6 +10,7 @@ admin identity and then refuses anonymous or mis-signed requests.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import secrets
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -121,9 +123,30 @@ class SeaweedServer:
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self.start_seconds: float | None = None  # how long the last start() took
+        self._attached_endpoint: str | None = None  # set for a server another process runs
+
+    @classmethod
+    def attach(
+        cls, data_dir: str | os.PathLike[str], endpoint: str, *, access_key: str, secret_key: str
+    ) -> SeaweedServer:
+        """A handle on a server another process runs: it reports the endpoint; `stop()` leaves it alone."""
+        server = cls(data_dir, access_key=access_key, secret_key=secret_key)
+        server._attached_endpoint = endpoint
+        return server
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def owned(self) -> bool:
+        """Whether this handle started (and so stops) the server."""
+        return self._attached_endpoint is None
 
     @property
     def endpoint(self) -> str:
+        if self._attached_endpoint is not None:
+            return self._attached_endpoint
         if self._ports is None:
             raise StoreError("the SeaweedFS server has not been started yet")
         return f"http://{_HOST}:{self._ports.s3}"
@@ -167,7 +190,7 @@ class SeaweedServer:
 
     def start(self, timeout: float = 30.0) -> None:
         """Launch the server (on the previous ports if it ran before) and wait until S3 really serves."""
-        if self.running:
+        if self.running or not self.owned:
             return
         began = time.monotonic()
         (self.data_dir / "weed" / "sock").mkdir(parents=True, exist_ok=True)
@@ -290,19 +313,68 @@ def _load_or_create_credentials(path: Path) -> tuple[str, str]:
 def ensure_embedded_server(
     data_dir: str | os.PathLike[str], *, bucket: str = "kvstore", timeout: float = 30.0
 ) -> SeaweedServer:
-    """Start the embedded S3 server under `data_dir` with persistent random credentials and `bucket` in it.
+    """The embedded S3 server under `data_dir`, with persistent random credentials and `bucket` in it.
 
-    Credentials live in `<data_dir>/credentials.json` (mode 0600) and are reused on every later start.
+    If another process already runs it (`kvstore serve` while a benchmark or the demo starts), that server is
+    shared: the returned handle does not own it and its `stop()` leaves it running. Otherwise a new one is
+    started and recorded in `<data_dir>/server.json`; two `weed` processes on one data directory would fight
+    over its locks. Credentials live in `<data_dir>/credentials.json` (mode 0600), reused on every start.
     """
     root = Path(data_dir).absolute()
     root.mkdir(parents=True, exist_ok=True)
     access_key, secret_key = _load_or_create_credentials(root / "credentials.json")
-    server = SeaweedServer(root, access_key=access_key, secret_key=secret_key)
-    server.start(timeout)
+    with _start_lock(root):
+        running = _running_server(root, access_key, secret_key)
+        if running is not None:
+            return running
+        server = SeaweedServer(root, access_key=access_key, secret_key=secret_key)
+        server.start(timeout)
+        try:
+            with S3Store(bucket, endpoint=server.endpoint, access_key=access_key, secret_key=secret_key) as s:
+                s.create_bucket()
+            assert server.pid is not None
+            _write_json(root / _STATE_FILE, {"pid": server.pid, "endpoint": server.endpoint})
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+
+_STATE_FILE = "server.json"
+
+
+@contextlib.contextmanager
+def _start_lock(root: Path) -> Iterator[None]:
+    """Serialises "is one running? if not, start it" between processes sharing `root`."""
+    with (root / "server.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _running_server(root: Path, access_key: str, secret_key: str) -> SeaweedServer | None:
+    """A handle on the server another process started under `root`, if it is alive and serving S3."""
     try:
-        with S3Store(bucket, endpoint=server.endpoint, access_key=access_key, secret_key=secret_key) as store:
-            store.create_bucket()
-    except BaseException:
-        server.stop()
-        raise
-    return server
+        state = json.loads((root / _STATE_FILE).read_text())
+        pid, endpoint = int(state["pid"]), str(state["endpoint"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return None
+    shared = SeaweedServer.attach(root, endpoint, access_key=access_key, secret_key=secret_key)
+    try:
+        with shared._probe_store() as probe:
+            probe.check()
+    except StoreError:
+        return None
+    return shared
+
+
+def _write_json(path: Path, data: dict[str, object]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)

@@ -51,6 +51,33 @@ def test_credentials_persist_with_0600_and_are_reused(tmp_path: Path) -> None:
         again.stop()
 
 
+def test_a_running_embedded_server_is_shared_not_started_twice(tmp_path: Path) -> None:
+    data_dir = tmp_path / "embedded"
+    owner = ensure_embedded_server(data_dir, bucket="kvb")
+    try:
+        shared = ensure_embedded_server(data_dir, bucket="kvb")
+        assert owner.owned and not shared.owned
+        assert shared.endpoint == owner.endpoint
+        shared.stop()  # a sharer's stop leaves the owner's server serving
+        with S3Store(
+            "kvb", endpoint=owner.endpoint, access_key=owner.access_key, secret_key=owner.secret_key
+        ) as store:
+            store.put("k", b"still up")
+            assert store.get("k") == b"still up"
+    finally:
+        owner.stop()
+    # The owner is gone: the next caller starts (and owns) a fresh server on the same data.
+    fresh = ensure_embedded_server(data_dir, bucket="kvb")
+    try:
+        assert fresh.owned and fresh.running
+        with S3Store(
+            "kvb", endpoint=fresh.endpoint, access_key=fresh.access_key, secret_key=fresh.secret_key
+        ) as store:
+            assert store.get("k") == b"still up"
+    finally:
+        fresh.stop()
+
+
 def test_restart_keeps_ports_and_data(tmp_path: Path) -> None:
     with SeaweedServer(tmp_path / "sw") as server:
         endpoint = server.endpoint
