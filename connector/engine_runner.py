@@ -234,16 +234,44 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 def remove_new_shm(before: set[str]) -> None:
-    """Remove /dev/shm entries created during the run that look like vLLM's or torch's."""
+    """Remove /dev/shm entries created during the run that look like vLLM's or torch's.
+
+    Entries some live process still maps or holds open are left alone: they belong to another engine
+    running at the same time (a benchmark beside the demo, say), not to the one that just stopped."""
     prefixes = ("vllm", "psm_", "torch_", "sem.mp-", "sem.loky-", "wrk_", "__KMP")
-    for name in shm_snapshot() - before:
-        if name.startswith(prefixes):
-            path = SHM / name
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
+    candidates = [name for name in shm_snapshot() - before if name.startswith(prefixes)]
+    if not candidates:
+        return
+    in_use = _shm_in_use()
+    for name in candidates:
+        path = SHM / name
+        if str(path) in in_use:
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def _shm_in_use() -> set[str]:
+    """/dev/shm paths that any process maps or has open (what /proc lets us see)."""
+    used: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for line in (proc / "maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+                if path.startswith("/dev/shm/"):
+                    used.add(path.removesuffix(" (deleted)"))
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
                 with contextlib.suppress(OSError):
-                    path.unlink()
+                    target = os.readlink(fd)
+                    if target.startswith("/dev/shm/"):
+                        used.add(target)
+    return used
 
 
 # ---------------------------------------------------------------- subprocess side
