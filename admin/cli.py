@@ -403,7 +403,8 @@ def bench_vllm(
         store_url, endpoint = f"s3://{EMBEDDED_BUCKET}/{run_prefix}", server.endpoint
         env = {"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key}
     else:
-        store_url, endpoint, env = f"{settings.store_url.rstrip('/')}/{run_prefix}", settings.s3_endpoint, {}
+        store_url = f"{settings.local_store_url.rstrip('/')}/{run_prefix}"
+        endpoint, env = settings.s3_endpoint, {}
     try:
         report = bench_ttft(
             store_url,

@@ -68,6 +68,10 @@ _SETTINGS_OPTIONS = {
     "probe_miss_ttl_s",
     "outage_cooldown_s",
     "region",
+    "remote_timeout_s",
+    "remote_cooldown_s",
+    "remote_workers",
+    "remote_copy_queue_bytes",
 }
 _TIER_OPTIONS = {"enable_kv_events", "locality", "job_workers", "access_records", "access_flush_s"}
 

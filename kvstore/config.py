@@ -9,17 +9,32 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvstore.chunk import Codec
 from kvstore.errors import ConfigError
 
 GiB = 1 << 30
+MiB = 1 << 20
+LOCAL_REGION = "local"
+# Region names become metric label values and log words: keep them short and plain.
+_REGION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
 def default_data_dir() -> Path:
@@ -48,11 +63,80 @@ class _ConfigFileSource(PydanticBaseSettingsSource):
         return data
 
 
+class StoreSpec(BaseModel):
+    """One region's object store, an element of a `store_url` list. Fields left out fall back to the
+    top-level settings (`s3_endpoint`, `access_key`, `secret_key`, `region`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str
+    name: str | None = None
+    endpoint: str | None = None
+    access_key: SecretStr | None = None
+    secret_key: SecretStr | None = None
+    region: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _non_empty_url(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must be a non-empty store URL")
+        return value.strip()
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str | None) -> str | None:
+        if value is not None and not _REGION_NAME.match(value):
+            raise ValueError("must be 1-63 letters, digits, '_', '.' or '-', starting with a letter or digit")
+        return value
+
+    @model_validator(mode="after")
+    def _key_pair(self) -> StoreSpec:
+        if (self.access_key is None) != (self.secret_key is None):
+            raise ValueError("access_key and secret_key go together")
+        return self
+
+
+def _store_specs(items: Sequence[Any]) -> list[StoreSpec]:
+    """Parse a `store_url` list: URL strings or tables; names default to local, remote-1, remote-2, ..."""
+    specs: list[StoreSpec] = []
+    for i, item in enumerate(items):
+        if isinstance(item, StoreSpec):
+            spec = item
+        elif isinstance(item, str):
+            spec = _one_spec(i, {"url": item})
+        elif isinstance(item, dict):
+            spec = _one_spec(i, item)
+        else:
+            raise ValueError(
+                f"element {i}: expected a URL string or a table with 'url', got {type(item).__name__}"
+            )
+        if spec.name is None:
+            spec = spec.model_copy(update={"name": LOCAL_REGION if i == 0 else f"remote-{i}"})
+        specs.append(spec)
+    names = [spec.name for spec in specs]
+    duplicates = sorted({n for n in names if n is not None and names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"region names must be unique, {', '.join(duplicates)} repeats; set 'name' on each")
+    return specs
+
+
+def _one_spec(index: int, table: dict[str, Any]) -> StoreSpec:
+    try:
+        return StoreSpec.model_validate(table)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'store'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ValueError(f"element {index}: {problems}") from None
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVSTORE_", extra="forbid", populate_by_name=True)
 
-    # Object store. Empty store_url means "the embedded local S3 server".
-    store_url: str = ""
+    # Object store. Empty store_url means "the embedded local S3 server". A list names one store per region:
+    # the first is this region (read-write), the rest are read-only fallbacks (see `stores`).
+    store_url: str | list[StoreSpec] = ""
     s3_endpoint: str | None = Field(
         default=None, validation_alias=AliasChoices("s3_endpoint", "KVSTORE_S3_ENDPOINT", "AWS_ENDPOINT_URL")
     )
@@ -81,20 +165,48 @@ class Settings(BaseSettings):
     probe_miss_ttl_s: float = 2.0
     outage_cooldown_s: float = 5.0
 
+    # Remote regions: a deadline per read, a cooldown after a failure, their own threads, a copy budget.
+    remote_timeout_s: float = 1.5
+    remote_cooldown_s: float = 30.0
+    remote_workers: int = 4
+    remote_copy_queue_bytes: int = 256 * MiB
+
     # Admin service.
     admin_host: str = "127.0.0.1"
     admin_port: int = 8750
     admin_token: SecretStr | None = None
     data_dir: Path = Field(default_factory=default_data_dir)
 
-    @field_validator("cache_bytes", "upload_queue_bytes")
+    @field_validator("store_url", mode="before")
+    @classmethod
+    def _store_list(cls, value: Any) -> Any:
+        # A JSON list arrives as text from the vLLM tier's options or an env var pydantic did not decode.
+        if isinstance(value, str):
+            if not value.lstrip().startswith("["):
+                return value
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"looks like a JSON list of stores but does not parse: {exc}") from None
+        if isinstance(value, list | tuple):
+            return _store_specs(value)
+        raise ValueError("expected a store URL or a list of stores (URL strings or tables with 'url')")
+
+    @field_validator("remote_timeout_s", "remote_cooldown_s")
+    @classmethod
+    def _positive_seconds(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError("must be a positive number of seconds")
+        return value
+
+    @field_validator("cache_bytes", "upload_queue_bytes", "remote_copy_queue_bytes")
     @classmethod
     def _positive_bytes(cls, value: int) -> int:
         if value <= 0:
             raise ValueError("must be a positive number of bytes")
         return value
 
-    @field_validator("upload_workers", "io_workers")
+    @field_validator("upload_workers", "io_workers", "remote_workers")
     @classmethod
     def _positive_workers(cls, value: int) -> int:
         if value <= 0:
@@ -121,6 +233,34 @@ class Settings(BaseSettings):
     @property
     def codec_enum(self) -> Codec:
         return Codec.parse(self.codec)
+
+    @property
+    def stores(self) -> list[StoreSpec]:
+        """One spec per region, local first, with names set and blanks filled from the top-level settings;
+        empty when no store is configured (the embedded server)."""
+        if isinstance(self.store_url, str):
+            listed = [StoreSpec(url=self.store_url, name=LOCAL_REGION)] if self.store_url else []
+        else:
+            listed = self.store_url
+        return [self._with_defaults(spec) for spec in listed]
+
+    def _with_defaults(self, spec: StoreSpec) -> StoreSpec:
+        # Only S3 stores take an endpoint and credentials; a file:// or memory:// region keeps none.
+        if not spec.url.lower().startswith("s3://"):
+            return spec
+        update: dict[str, Any] = {
+            "endpoint": spec.endpoint or self.s3_endpoint,
+            "region": spec.region or self.region,
+        }
+        if spec.access_key is None:
+            update.update(access_key=self.access_key, secret_key=self.secret_key)
+        return spec.model_copy(update=update)
+
+    @property
+    def local_store_url(self) -> str:
+        """The local region's URL (what a single-store tool writes to), or "" for the embedded server."""
+        stores = self.stores
+        return stores[0].url if stores else ""
 
 
 def load_settings(**overrides: Any) -> Settings:

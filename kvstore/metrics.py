@@ -4,6 +4,10 @@ Tiers: `nvme` (the node's cache), `object` (the local region's store), `memory` 
 upload, served from the write-behind queue). Metrics live in a registry chosen by the caller, so a test or
 a second engine in one process can have its own; `snapshot()` reads them back as plain numbers, which is what
 the vLLM tier forwards through vLLM's metric hooks.
+
+With several regions (`kvstore.stores.regions`), `kvstore:region_hits`, `kvstore:region_copies` and
+`kvstore:region_errors`, labelled by region name, say which region served a load, what was copied into the
+local region, and which remote failed or timed out.
 """
 
 from __future__ import annotations
@@ -84,6 +88,25 @@ class EngineMetrics:
             "kvstore:object_store_up", "1 while the object store answers, else 0", registry=registry
         )
         self.object_store_up.set(1)
+        # Multi-region (see kvstore.stores.regions): label `region` is the region's configured name.
+        self.region_hits = Counter(
+            "kvstore:region_hits",
+            "Object-store chunk loads served, by the region that had them",
+            ["region"],
+            registry=registry,
+        )
+        self.region_copies = Counter(
+            "kvstore:region_copies",
+            "Chunks copied into the local region after a remote hit, by source region",
+            ["region"],
+            registry=registry,
+        )
+        self.region_errors = Counter(
+            "kvstore:region_errors",
+            "Remote-region reads that failed or passed their deadline (the region is then skipped a while)",
+            ["region"],
+            registry=registry,
+        )
 
     @classmethod
     def for_registry(cls, registry: CollectorRegistry | None = None) -> EngineMetrics:

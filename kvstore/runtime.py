@@ -7,14 +7,15 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from kvstore.cache import NVMeCache
-from kvstore.config import Settings
+from kvstore.config import LOCAL_REGION, Settings, StoreSpec
 from kvstore.embedded import SeaweedServer, ensure_embedded_server
 from kvstore.engine import TieredStore
 from kvstore.errors import StoreUnavailable
 from kvstore.metrics import EngineMetrics
-from kvstore.stores import ObjectStore, open_store
+from kvstore.stores import ObjectStore, RegionalStore, open_store
 
 log = logging.getLogger(__name__)
 
@@ -39,21 +40,21 @@ class Node:
             self.embedded.stop()
 
 
-def open_object_store(settings: Settings, *, subprefix: str = "") -> tuple[ObjectStore, SeaweedServer | None]:
+def open_object_store(
+    settings: Settings, *, subprefix: str = "", metrics: EngineMetrics | None = None
+) -> tuple[ObjectStore, SeaweedServer | None]:
     """The configured store; with no `store_url`, a local SeaweedFS under `data_dir` (started if needed).
+    With several stores in `store_url`, a `RegionalStore`: the first is this region, the rest read-only
+    fallbacks whose hits, copies and errors count in `metrics`.
 
     `subprefix` narrows the store to a folder below the configured prefix (benchmarks use their own, so
     whatever they generate, and GC over it, never touches real cache data)."""
     suffix = f"/{subprefix.strip('/')}" if subprefix else ""
-    if settings.store_url:
-        store = open_store(
-            settings.store_url.rstrip("/") + suffix,
-            endpoint=settings.s3_endpoint,
-            access_key=settings.access_key.get_secret_value() if settings.access_key else None,
-            secret_key=settings.secret_key.get_secret_value() if settings.secret_key else None,
-            region=settings.region,
-        )
-        return store, None
+    stores = settings.stores
+    if len(stores) == 1:
+        return _open_region(stores[0], suffix), None
+    if stores:
+        return _open_regions(settings, stores, suffix, metrics), None
     server = ensure_embedded_server(settings.data_dir / "s3")
     log.info(
         "no store_url configured: using the embedded S3 server at %s (data in %s)",
@@ -69,12 +70,52 @@ def open_object_store(settings: Settings, *, subprefix: str = "") -> tuple[Objec
     return store, server
 
 
+def _open_region(spec: StoreSpec, suffix: str, **options: Any) -> ObjectStore:
+    return open_store(
+        spec.url.rstrip("/") + suffix,
+        endpoint=spec.endpoint,
+        access_key=spec.access_key.get_secret_value() if spec.access_key else None,
+        secret_key=spec.secret_key.get_secret_value() if spec.secret_key else None,
+        region=spec.region,
+        **options,
+    )
+
+
+def _open_regions(
+    settings: Settings, stores: list[StoreSpec], suffix: str, metrics: EngineMetrics | None
+) -> RegionalStore:
+    opened: list[ObjectStore] = []
+    try:
+        for spec in stores:
+            options: dict[str, Any] = {}
+            if opened and spec.url.lower().startswith("s3://"):
+                # A remote request should end about when its caller stops waiting, freeing its thread.
+                timeout = settings.remote_timeout_s
+                options = {"connect_timeout": timeout, "read_timeout": timeout, "retries": 1}
+            opened.append(_open_region(spec, suffix, **options))
+        return RegionalStore(
+            opened[0],
+            [(spec.name or "", store) for spec, store in zip(stores[1:], opened[1:], strict=True)],
+            local_name=stores[0].name or LOCAL_REGION,
+            timeout_s=settings.remote_timeout_s,
+            cooldown_s=settings.remote_cooldown_s,
+            workers=settings.remote_workers,
+            copy_queue_bytes=settings.remote_copy_queue_bytes,
+            metrics=metrics,
+        )
+    except BaseException:
+        for store in opened:
+            store.close()
+        raise
+
+
 def open_node(settings: Settings, *, metrics: EngineMetrics | None = None, check_store: bool = True) -> Node:
     """Open store, cache and engine.
 
     `check_store=False` tolerates an unreachable store (the vLLM tier must start and serve from NVMe or
     recompute while S3 is down); bad credentials or a missing bucket still fail."""
-    store, server = open_object_store(settings)
+    metrics = metrics or EngineMetrics.for_registry()
+    store, server = open_object_store(settings, metrics=metrics)
     try:
         try:
             store.check()

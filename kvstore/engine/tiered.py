@@ -50,7 +50,7 @@ from kvstore.errors import (
     StoreError,
 )
 from kvstore.metrics import EngineMetrics
-from kvstore.stores import ObjectStore
+from kvstore.stores import ObjectStore, get_located
 
 log = logging.getLogger(__name__)
 
@@ -408,7 +408,7 @@ class TieredStore:
             return None
         start = time.perf_counter()
         try:
-            blob = self.store.get(key)
+            blob, region = get_located(self.store, key)
         except StoreError as exc:
             self._store_failed("get", exc)
             return None
@@ -431,6 +431,8 @@ class TieredStore:
             return None
         self.metrics.read_seconds.labels("object").observe(time.perf_counter() - start)
         self.metrics.read_bytes.labels("object").inc(parse_header(blob).raw_length)
+        if region is not None:  # several regions: which one served it (counted once verified)
+            self.metrics.region_hits.labels(region).inc()
         if self._answers.get(key) is not Presence.LOCAL:
             self._answers.set(key, Presence.REMOTE)
         self._admit_in_background(key, blob)
