@@ -64,3 +64,112 @@ def test_unreadable_config_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     monkeypatch.setenv("KVSTORE_CONFIG_FILE", str(tmp_path / "missing.json"))
     with pytest.raises(ConfigError, match="KVSTORE_CONFIG_FILE"):
         load_settings()
+
+
+# -- multi-region store_url --
+
+
+def test_store_url_list_of_urls_and_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
+    settings = load_settings(
+        store_url=[
+            "s3://kv-us/prod",
+            {
+                "url": "s3://kv-eu/prod",
+                "name": "eu",
+                "endpoint": "http://10.0.0.2:9000",
+                "region": "eu-west-1",
+            },
+            {"url": "s3://kv-ap", "access_key": "AKAP", "secret_key": "remote-secret-value"},
+            "file:///mnt/replica",
+        ],
+        s3_endpoint="http://127.0.0.1:9000",
+        access_key="AKLOCAL",
+        secret_key="local-secret-value",
+    )
+    local, eu, ap, replica = settings.stores
+    assert [s.name for s in settings.stores] == ["local", "eu", "remote-2", "remote-3"]
+    assert settings.local_store_url == "s3://kv-us/prod"
+    # Blanks fall back to the top-level settings; a table's own values win.
+    assert local.endpoint == "http://127.0.0.1:9000" and local.access_key is not None
+    assert local.access_key.get_secret_value() == "AKLOCAL"
+    assert eu.endpoint == "http://10.0.0.2:9000" and eu.region == "eu-west-1"
+    assert ap.secret_key is not None and ap.secret_key.get_secret_value() == "remote-secret-value"
+    # Only s3:// stores take an endpoint and credentials.
+    assert replica.endpoint is None and replica.access_key is None
+    shown = repr(settings) + str(settings.model_dump()) + repr(settings.stores)
+    assert "remote-secret-value" not in shown and "local-secret-value" not in shown
+
+
+def test_single_store_url_stays_a_string() -> None:
+    settings = load_settings(store_url="s3://bucket/prefix", region="eu-west-1")
+    assert settings.store_url == "s3://bucket/prefix"
+    assert settings.local_store_url == "s3://bucket/prefix"
+    [only] = settings.stores
+    assert only.name == "local" and only.region == "eu-west-1"
+    assert load_settings().stores == [] and load_settings().local_store_url == ""
+
+
+def test_store_url_json_list_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    stores = [
+        "s3://kv-us",
+        {"url": "s3://kv-eu", "name": "eu", "secret_key": "env-secret", "access_key": "AK"},
+    ]
+    monkeypatch.setenv("KVSTORE_STORE_URL", json.dumps(stores))
+    monkeypatch.setenv("KVSTORE_REMOTE_TIMEOUT_S", "0.5")
+    settings = load_settings()
+    assert [s.name for s in settings.stores] == ["local", "eu"]
+    assert settings.remote_timeout_s == 0.5
+    assert "env-secret" not in repr(settings)
+
+
+def test_store_url_json_text_as_an_option() -> None:
+    # The vLLM tier hands its kv_transfer_config options to load_settings; a JSON list may come as text.
+    settings = load_settings(store_url='["s3://kv-us", {"url": "s3://kv-eu", "name": "eu"}]')
+    assert [(s.url, s.name) for s in settings.stores] == [("s3://kv-us", "local"), ("s3://kv-eu", "eu")]
+
+
+def test_store_url_list_in_toml_config_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    path = tmp_path / "kvstore.toml"
+    path.write_text(
+        'store_url = ["s3://kv-us", { url = "s3://kv-eu", name = "eu" }]\nremote_cooldown_s = 5\n'
+    )
+    monkeypatch.setenv("KVSTORE_CONFIG_FILE", str(path))
+    settings = load_settings()
+    assert [s.name for s in settings.stores] == ["local", "eu"] and settings.remote_cooldown_s == 5
+
+
+@pytest.mark.parametrize(
+    ("store_url", "problem"),
+    [
+        (["s3://a", {"url": "s3://b", "name": "local"}], "unique"),
+        (["s3://a", {"url": "s3://b", "name": "x"}, {"url": "s3://c", "name": "x"}], "unique"),
+        (["s3://a", {"url": "s3://b", "name": "remote-2"}, "s3://c"], "unique"),
+        ([1], "element 0"),
+        (["s3://a", {"uri": "s3://b"}], "element 1"),
+        (["s3://a", ""], "element 1"),
+        (["s3://a", {"url": "s3://b", "access_key": "AK"}], "go together"),
+        (["s3://a", {"url": "s3://b", "name": "not a label!"}], "element 1"),
+        ('["s3://a", ', "JSON"),
+        (5, "store_url"),
+    ],
+)
+def test_bad_store_lists_name_the_option(store_url: object, problem: str) -> None:
+    with pytest.raises(ConfigError, match="store_url") as raised:
+        load_settings(store_url=store_url)
+    assert problem in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"remote_timeout_s": 0},
+        {"remote_cooldown_s": -1},
+        {"remote_workers": 0},
+        {"remote_copy_queue_bytes": 0},
+    ],
+)
+def test_bad_remote_settings_name_the_option(overrides: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match=next(iter(overrides))):
+        load_settings(**overrides)

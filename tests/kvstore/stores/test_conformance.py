@@ -9,14 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.stores import LocalStore, MemoryStore, ObjectStore
+from kvstore.stores import LocalStore, MemoryStore, ObjectStore, RegionalStore
 from kvstore.stores.s3 import S3Store
 
 
-@pytest.fixture(params=["memory", "local", pytest.param("s3", marks=pytest.mark.integration)])
+@pytest.fixture(params=["memory", "local", "regional", pytest.param("s3", marks=pytest.mark.integration)])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStore]:
     if request.param == "memory":
         yield MemoryStore(uuid.uuid4().hex)
+    elif request.param == "regional":  # the local region must behave like any store; remotes are empty
+        remote = MemoryStore(uuid.uuid4().hex)
+        with RegionalStore(MemoryStore(uuid.uuid4().hex), [("far", remote)]) as regional:
+            yield regional
     elif request.param == "local":
         yield LocalStore(tmp_path / "store")
     else:
