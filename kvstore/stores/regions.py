@@ -209,7 +209,9 @@ class RegionalStore(ObjectStore):
         try:
             return future.result(timeout=remaining)
         except TimeoutError:
-            future.cancel()  # if it never started, it never will; a running call ends on its own timeouts
+            if future.cancel():
+                return None  # still queued behind our own busy threads: a miss, but not the remote's fault
+            # A running call ends on the store's own timeouts; its late answer is dropped.
             self._remote_failed(remote, f"no answer within {self._timeout:.2f} s")
         except StoreError as exc:
             self._remote_failed(remote, str(exc))
