@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from kvstore.admin.auth import require_token
+from kvstore.admin.openapi import AUTH_ERRORS, PositiveJsonInt, errors
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvstore.errors import KVStoreError
@@ -29,7 +30,7 @@ __all__ = ["GCRequest", "JobRegistry", "PinnedProvider", "router"]
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], responses=AUTH_ERRORS)
 
 JobStatus = Literal["pending", "running", "done", "failed"]
 # Given the node, a predicate "is this key pinned"; a pin-manifest module replaces the default via
@@ -41,10 +42,10 @@ _MAX_JOBS = 200  # finished jobs are forgotten oldest-first beyond this, so the 
 class GCRequest(BaseModel):
     """Body of `POST /v1/gc`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # strict: `false` is not a number of seconds
 
     ttl_seconds: float = Field(gt=0, allow_inf_nan=False)
-    max_bytes: int | None = Field(default=None, gt=0)
+    max_bytes: PositiveJsonInt | None = None
     grace_seconds: float = Field(default=600.0, ge=0, allow_inf_nan=False)
     dry_run: bool = False
 
@@ -141,7 +142,7 @@ def _registry(request: Request) -> JobRegistry:
 _registry_lock = threading.Lock()
 
 
-@router.post("/gc", status_code=status.HTTP_202_ACCEPTED)
+@router.post("/gc", status_code=status.HTTP_202_ACCEPTED, responses=errors(400, 409, 422, 503))
 def start_gc(body: GCRequest, request: Request) -> dict[str, Any]:
     node: Node = request.app.state.node
     try:
@@ -175,7 +176,7 @@ def start_gc(body: GCRequest, request: Request) -> dict[str, Any]:
     return accepted
 
 
-@router.get("/jobs/{job_id}")
+@router.get("/jobs/{job_id}", responses=errors(404))
 def get_job(job_id: str, request: Request) -> dict[str, Any]:
     snapshot = _registry(request).snapshot(job_id)
     if snapshot is None:
@@ -183,7 +184,7 @@ def get_job(job_id: str, request: Request) -> dict[str, Any]:
     return snapshot
 
 
-@router.get("/gc/reports")
+@router.get("/gc/reports", responses=errors(422, 503))
 def get_reports(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 20) -> dict[str, Any]:
     node: Node = request.app.state.node
     try:

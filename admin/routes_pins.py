@@ -7,15 +7,18 @@ manifest; nodes pick it up through `kvstore.pins.apply_pins`. Errors map to 404 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Request, Response, status
+from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response, status
 from kvstore.admin.auth import require_token
-from pydantic import BaseModel, Field, model_validator
+from kvstore.admin.openapi import AUTH_ERRORS, JsonInt, NonNegativeJsonInt, PositiveJsonInt, errors
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.config import JsonDict
 
 from kvstore.errors import ConfigError
 from kvstore.keys import KVCacheGroup, Namespace
 from kvstore.pins import (
+    NAMESPACE_ID_PATTERN,
     NamespaceNotFound,
     PinExists,
     PinManifest,
@@ -31,34 +34,79 @@ from kvstore.pins import (
 )
 from kvstore.runtime import Node
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], tags=["pins"])
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], tags=["pins"], responses=AUTH_ERRORS)
 
 
 class GroupIn(BaseModel):
-    tokens_per_block: int = Field(gt=0)
+    model_config = ConfigDict(strict=True)
+
+    tokens_per_block: PositiveJsonInt
     layer_names: list[str]
+
+
+# A model name becomes part of every chunk key: printable, and short enough for S3's key limit.
+ModelName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")]
+# Pin names as `kvstore.pins.validate_pin_name` accepts them (documented; the validator is what enforces).
+PIN_NAME_SCHEMA: JsonDict = {"type": "string", "pattern": r"^(?!\.\.?$)[A-Za-z0-9._-]{1,128}$"}
+
+
+def _given(present: JsonDict, absent: tuple[str, ...]) -> JsonDict:
+    """JSON Schema for "these fields given (not null), those absent or null"."""
+    props: JsonDict = {**present, **{name: {"type": "null"} for name in absent}}
+    return {"required": list(present), "properties": props}
+
+
+_TEXT: JsonDict = {"type": "string", "minLength": 1}
+# The cross-field rules of `PinIn._one_of_each`, stated in the schema too, so clients and fuzzers see them.
+_ONE_OF_EACH: JsonDict = {
+    "allOf": [
+        {
+            "oneOf": [
+                _given({"namespace": {"type": "string"}}, ("model",)),
+                _given(
+                    {
+                        "model": {"type": "string"},
+                        "tokens_per_hash": {"type": "integer"},
+                        "dtype": {"type": "string"},
+                    },
+                    ("namespace",),
+                ),
+            ]
+        },
+        {
+            "oneOf": [
+                _given({"token_ids": {"type": "array"}}, ("prompt", "messages")),
+                _given({"prompt": {"type": "string"}, "model_path": _TEXT}, ("token_ids", "messages")),
+                _given({"messages": {"type": "array"}, "model_path": _TEXT}, ("token_ids", "prompt")),
+            ]
+        },
+    ]
+}
 
 
 class PinIn(BaseModel):
     """One of `namespace` or `model` (+ layout fields); one of `token_ids`, `prompt`, `messages`."""
 
-    name: str
-    namespace: str | None = None
-    rank: int = Field(default=0, ge=0)
-    model: str | None = None
-    tokens_per_hash: int | None = Field(default=None, gt=0)
+    # Strict: no coercion of `"1"` to a token id or of `false` to a number.
+    model_config = ConfigDict(strict=True, json_schema_extra=_ONE_OF_EACH)
+
+    name: str = Field(json_schema_extra=PIN_NAME_SCHEMA)
+    namespace: str | None = Field(default=None, json_schema_extra={"pattern": f"^{NAMESPACE_ID_PATTERN}$"})
+    rank: NonNegativeJsonInt = 0
+    model: ModelName | None = None
+    tokens_per_hash: PositiveJsonInt | None = None
     dtype: str | None = None
     kv_cache_groups: list[GroupIn] = []
-    tp_size: int = 1
-    pp_size: int = 1
-    blocks_per_file: int = 1
+    tp_size: PositiveJsonInt = 1
+    pp_size: PositiveJsonInt = 1
+    blocks_per_file: PositiveJsonInt = 1
     parallel_agnostic: bool = False
-    blocks_per_chunk: int = Field(default=1, gt=0)
-    token_ids: list[int] | None = None
+    blocks_per_chunk: PositiveJsonInt = 1
+    token_ids: list[JsonInt] | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     model_path: str | None = None
-    ttl_seconds: float | None = Field(default=None, gt=0)
+    ttl_seconds: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _one_of_each(self) -> PinIn:
@@ -72,6 +120,9 @@ class PinIn(BaseModel):
         if given[0] != "token_ids" and not self.model_path:
             raise ValueError(f"'{given[0]}' needs 'model_path' (the directory holding the tokenizer)")
         return self
+
+
+PinName = Annotated[str, Path(json_schema_extra=PIN_NAME_SCHEMA)]
 
 
 def _node(request: Request) -> Node:
@@ -112,7 +163,7 @@ def _tokens(body: PinIn) -> list[int]:
     return tokens_from_messages(body.model_path, body.messages)
 
 
-@router.post("/pins", status_code=status.HTTP_201_CREATED)
+@router.post("/pins", status_code=status.HTTP_201_CREATED, responses=errors(400, 404, 409, 422, 503))
 def create(body: PinIn, request: Request) -> dict[str, Any]:
     node = _node(request)
     try:
@@ -134,14 +185,14 @@ def create(body: PinIn, request: Request) -> dict[str, Any]:
     return {**_out(manifest), "num_tokens": len(tokens)}
 
 
-@router.get("/pins")
+@router.get("/pins", responses=errors(422, 503))
 def list_all(request: Request, include_expired: bool = True) -> dict[str, Any]:
     pins = list_pins(_node(request).store, include_expired=include_expired)
     return {"pins": [_out(p) for p in pins]}
 
 
-@router.get("/pins/{name}")
-def read(name: str, request: Request) -> dict[str, Any]:
+@router.get("/pins/{name}", responses=errors(404, 422, 503))
+def read(name: PinName, request: Request) -> dict[str, Any]:
     try:
         return _out(get_pin(_node(request).store, name))
     except PinNotFound as exc:
@@ -150,8 +201,8 @@ def read(name: str, request: Request) -> dict[str, Any]:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
 
 
-@router.delete("/pins/{name}", status_code=status.HTTP_204_NO_CONTENT)
-def remove(name: str, request: Request) -> Response:
+@router.delete("/pins/{name}", status_code=status.HTTP_204_NO_CONTENT, responses=errors(404, 422, 503))
+def remove(name: PinName, request: Request) -> Response:
     try:
         delete_pin(_node(request).store, name)
     except PinNotFound as exc:

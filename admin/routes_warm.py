@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+import httpx
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from kvstore.admin.auth import require_token
+from kvstore.admin.openapi import AUTH_ERRORS, errors
 from kvstore.admin.routes_gc import _registry
-from kvstore.admin.routes_pins import PinIn, _namespace, _tokens
+from kvstore.admin.routes_pins import PIN_NAME_SCHEMA, ModelName, PinIn, _namespace, _tokens
 from pydantic import Field, field_validator
 
 from kvstore.errors import ConfigError
@@ -24,7 +26,7 @@ from kvstore.warm import warm
 
 __all__ = ["WarmIn", "router"]
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], tags=["warm"])
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], tags=["warm"], responses=AUTH_ERRORS)
 
 
 # mypy sees `kvstore.admin.*` as untyped (the folder is mapped by setuptools), hence the ignore.
@@ -34,18 +36,26 @@ class WarmIn(PinIn):  # type: ignore[misc]
     `pin` names a pin manifest to write for the chunks (`ttl_seconds` is its TTL); `name` is not used."""
 
     name: str = Field(default="", description="unused by /v1/warm (see 'pin')")
-    vllm_url: str | None = None
-    model: str | None = None  # vLLM's served model name; default: the first one it lists
+    vllm_url: str | None = Field(default=None, json_schema_extra={"pattern": "^https?://"})
+    model: ModelName | None = None  # vLLM's served model name; default: the first one it lists
     prefetch: bool = True
-    pin: str | None = None
+    pin: str | None = Field(default=None, json_schema_extra=PIN_NAME_SCHEMA)
     timeout_s: float = Field(default=120.0, gt=0, le=3600, allow_inf_nan=False)
     poll_s: float = Field(default=15.0, ge=0, le=3600, allow_inf_nan=False)
 
     @field_validator("vllm_url")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("http://", "https://")):
+        if value is None:
+            return None
+        if not value.startswith(("http://", "https://")):
             raise ValueError("vllm_url must start with http:// or https://")
+        try:
+            host = httpx.URL(value).host
+        except (httpx.InvalidURL, ValueError) as exc:
+            raise ValueError(f"vllm_url is not a URL: {exc}") from None
+        if not host:
+            raise ValueError("vllm_url names no host")
         return value
 
     @field_validator("pin")
@@ -54,7 +64,7 @@ class WarmIn(PinIn):  # type: ignore[misc]
         return None if value is None else validate_pin_name(value)
 
 
-@router.post("/warm", status_code=status.HTTP_202_ACCEPTED)
+@router.post("/warm", status_code=status.HTTP_202_ACCEPTED, responses=errors(400, 404, 422, 503))
 def start_warm(body: WarmIn, request: Request) -> dict[str, Any]:
     node: Node = request.app.state.node
     try:
@@ -93,7 +103,7 @@ def start_warm(body: WarmIn, request: Request) -> dict[str, Any]:
     return accepted
 
 
-@router.get("/stats")
+@router.get("/stats", responses=errors(422))
 def stats(request: Request, scan_bucket: Annotated[bool, Query()] = True) -> dict[str, Any]:
     node: Node = request.app.state.node
     return node_stats(node, scan_bucket=scan_bucket)

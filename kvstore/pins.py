@@ -32,6 +32,7 @@ from kvstore.keys import CONFIG_FILENAME, Namespace
 from kvstore.stores.base import ObjectStore
 
 __all__ = [
+    "NAMESPACE_ID_PATTERN",
     "PIN_PREFIX",
     "NamespaceNotFound",
     "PinExists",
@@ -55,6 +56,10 @@ log = logging.getLogger(__name__)
 
 PIN_PREFIX = "_meta/pins/"
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+# `<model>_<sha12>` (`Namespace.id`): one object key segment, so no '/', NUL or control characters, and short
+# enough that every chunk key below it stays within S3's 1024-byte key limit.
+NAMESPACE_ID_PATTERN = r"[^/\x00-\x1f\x7f]{1,200}_[0-9a-f]{12}"
+_NAMESPACE_ID_RE = re.compile(NAMESPACE_ID_PATTERN)
 # What `apply_pins` pinned on this node, so a later run can take back exactly its own pins.
 _APPLIED_FILE = "pins-applied.json"
 
@@ -270,8 +275,8 @@ def _save_applied(path: Path, keys: set[str]) -> None:
 
 def load_namespace(store: ObjectStore, namespace_id: str, rank: int = 0) -> Namespace:
     """The namespace a tier published as `<id>/config.json`; `NamespaceNotFound` if none did."""
-    if not namespace_id or "/" in namespace_id or namespace_id in (".", ".."):
-        raise ConfigError(f"namespace id {namespace_id!r} is invalid")
+    if not _NAMESPACE_ID_RE.fullmatch(namespace_id):
+        raise ConfigError(f"namespace id {namespace_id!r} is invalid: expected <model>_<12 hex digits>")
     raw = store.get(f"{namespace_id}/{CONFIG_FILENAME}")
     if raw is None:
         raise NamespaceNotFound(f"namespace {namespace_id!r} not found: no {namespace_id}/{CONFIG_FILENAME}")
@@ -324,13 +329,18 @@ class _ChatTemplate:
 def _chat_template(model_path: Path) -> _ChatTemplate:
     try:
         config = json.loads((model_path / "tokenizer_config.json").read_text())
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+        template = config.get("chat_template")
+        if template is None and (model_path / "chat_template.jinja").exists():
+            template = (model_path / "chat_template.jinja").read_text()
     except FileNotFoundError:
         raise ConfigError(f"{model_path} has no tokenizer_config.json") from None
-    template = config.get("chat_template")
-    if template is None and (model_path / "chat_template.jinja").exists():
-        template = (model_path / "chat_template.jinja").read_text()
+    except (OSError, ValueError) as exc:  # unreadable, not a directory, not JSON, not UTF-8
+        raise ConfigError(f"{model_path}: cannot read the chat template: {exc}") from None
     if isinstance(template, list):  # named templates: the HF convention picks "default"
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        named = (t for t in template if isinstance(t, dict) and t.get("name") == "default")
+        template = next((t.get("template") for t in named), None)
     if not isinstance(template, str):
         raise ConfigError(f"{model_path} defines no chat template")
     special: dict[str, str] = {}
@@ -364,14 +374,22 @@ def render_chat(
         return env.from_string(tpl.source).render(
             messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **tpl.special
         )
-    except TemplateError as exc:
-        raise ConfigError(f"chat template failed to render: {exc}") from None
+    except ConfigError:
+        raise
+    # A template is a program over the caller's messages: what it raises means the messages don't fit it.
+    except (TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as exc:
+        raise ConfigError(f"chat template failed to render: {type(exc).__name__}: {exc}") from None
 
 
 def _tokenizer(model_path: str | os.PathLike[str]) -> Any:
     from tokenizers import Tokenizer
 
     path = Path(model_path) / "tokenizer.json"
-    if not path.exists():
+    if not path.is_file():
         raise ConfigError(f"{model_path} has no tokenizer.json")
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{model_path}: cannot read tokenizer.json: {exc}") from None
+    except Exception as exc:  # tokenizers raises plain `Exception` for a malformed file
+        raise ConfigError(f"{model_path}: tokenizer.json is not a tokenizer: {exc}") from None

@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 _PREFETCH_WORKERS = 8
 _POLL_INTERVAL_S = 0.25
+# A vLLM that accepts no TCP connection this long is unreachable, whatever `timeout_s` allows the prefill.
+_CONNECT_TIMEOUT_S = 10.0
 
 
 class WarmError(KVStoreError):
@@ -143,7 +145,8 @@ def _call(
     http: httpx.Client, method: str, url: str, base: str, body: dict[str, Any] | None, timeout_s: float
 ) -> Any:
     try:
-        response = http.request(method, url, json=body, timeout=timeout_s)
+        timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, _CONNECT_TIMEOUT_S))
+        response = http.request(method, url, json=body, timeout=timeout)
     except httpx.TransportError as exc:  # connect errors, timeouts, protocol errors
         raise VLLMUnreachable(base, f"{type(exc).__name__}: {exc}") from None
     if response.status_code >= 400:

@@ -95,7 +95,7 @@ def test_pin_by_model_fields_and_prompt(client: TestClient, tmp_path: Path) -> N
 
 def test_errors(client: TestClient, node: Node) -> None:
     missing = client.post(
-        "/v1/pins", json={"name": "x", "namespace": "nope_123", "token_ids": list(range(32))}
+        "/v1/pins", json={"name": "x", "namespace": "nope_000000000000", "token_ids": list(range(32))}
     )
     assert missing.status_code == 404 and "not found" in missing.json()["detail"]
     both = client.post("/v1/pins", json={"name": "x", "namespace": NS.id, "model": "m", "token_ids": [1]})
