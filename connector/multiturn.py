@@ -1,0 +1,181 @@
+"""A multi-turn chat workload and an async HTTP client that replays it against a vLLM OpenAI server.
+
+Each conversation opens with a long context and then, turn after turn, appends the model's answer and a
+fixed number of new user tokens, resending the whole history each time, exactly as a chat client does. So
+turn `t` of a conversation can reuse the KV of turn `t - 1` only if some cache still holds it when the
+conversation comes back.
+
+All conversations are active at once and every turn waits for a slot among `concurrency` (FIFO), so after
+one of its turns a conversation queues behind all the others: between two turns of one conversation, every
+other conversation sends a turn. The KV that must survive between turns is therefore that of all
+conversations, which is what the number of conversations sweeps.
+
+Texts are deterministic (`sample_text`) and sized in tokens by the server's own tokenizer (`/tokenize`,
+`/detokenize`), before the measured phase. Requests stream (`/v1/chat/completions`), so TTFT is the time to
+the first streamed token; the final usage chunk gives prompt and cached tokens (the server reports cached
+tokens with `--enable-prompt-tokens-details`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from kvstore.connector.tiny_model import sample_text
+
+__all__ = ["TurnRecord", "Workload", "replay"]
+
+_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+
+
+@dataclass(frozen=True)
+class Workload:
+    conversations: int
+    context_tokens: int  # the opening user message
+    turn_tokens: int  # new user tokens per later turn
+    turns: int
+    output_tokens: int  # answer length (EOS ignored, so every answer has this length)
+    concurrency: int  # requests in flight at most
+    seed: int = 0  # different seeds give different texts (no shared prefixes across runs)
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    conversation: int
+    turn: int
+    prompt_tokens: int  # as the server counted them (chat template included)
+    cached_tokens: int | None  # from any cache (engine or connector); None if the server does not say
+    ttft_s: float
+    latency_s: float
+    finished_s: float = 0.0  # when the turn finished, seconds since the replay's first request
+
+
+async def replay(
+    server_url: str,
+    model: str,
+    workload: Workload,
+    on_turn: Callable[[TurnRecord], None] | None = None,
+) -> list[TurnRecord]:
+    """Run every conversation of `workload` against `server_url`; records in completion order."""
+    limits = httpx.Limits(max_connections=workload.concurrency + 4)
+    async with httpx.AsyncClient(base_url=server_url, timeout=_TIMEOUT, limits=limits) as client:
+        texts = _Texts(client, model)
+        scripts = [await _script(texts, workload, c) for c in range(workload.conversations)]
+        slots = asyncio.Semaphore(workload.concurrency)
+        records: list[TurnRecord] = []
+        began = time.perf_counter()
+
+        async def converse(conversation: int) -> None:
+            messages: list[dict[str, str]] = []
+            for turn, user_text in enumerate(scripts[conversation]):
+                messages.append({"role": "user", "content": user_text})
+                async with slots:
+                    answer, record = await _chat_turn(client, model, messages, workload, conversation, turn)
+                record = _finished(record, time.perf_counter() - began)
+                messages.append({"role": "assistant", "content": answer})
+                records.append(record)
+                if on_turn is not None:
+                    on_turn(record)
+
+        await asyncio.gather(*(converse(c) for c in range(workload.conversations)))
+        return records
+
+
+def _finished(record: TurnRecord, finished_s: float) -> TurnRecord:
+    return TurnRecord(
+        record.conversation,
+        record.turn,
+        record.prompt_tokens,
+        record.cached_tokens,
+        record.ttft_s,
+        record.latency_s,
+        finished_s,
+    )
+
+
+async def _script(texts: _Texts, workload: Workload, conversation: int) -> list[str]:
+    """The user messages of one conversation: its context, then one message per later turn."""
+    base = (workload.seed * 100_003 + conversation) * 1_000
+    out = [await texts.sized(workload.context_tokens, seed=base)]
+    for turn in range(1, workload.turns):
+        out.append(await texts.sized(workload.turn_tokens, seed=base + turn))
+    return out
+
+
+class _Texts:
+    """Deterministic text of an exact token count under the served model's tokenizer."""
+
+    def __init__(self, client: httpx.AsyncClient, model: str) -> None:
+        self._client = client
+        self._model = model
+
+    async def sized(self, tokens: int, *, seed: int) -> str:
+        # Word salad runs ~1.1 tokens a word: 1 word per token overshoots, then cut at the token.
+        text = str(sample_text(max(tokens, 8), seed=seed))
+        ids = (await self._post("/tokenize", {"prompt": text, "add_special_tokens": False}))["tokens"]
+        if len(ids) <= tokens:
+            return text
+        return str((await self._post("/detokenize", {"tokens": ids[:tokens]}))["prompt"])
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = await self._client.post(path, json={"model": self._model, **body})
+        response.raise_for_status()
+        result: dict[str, Any] = response.json()
+        return result
+
+
+async def _chat_turn(
+    client: httpx.AsyncClient,
+    model: str,
+    messages: list[dict[str, str]],
+    workload: Workload,
+    conversation: int,
+    turn: int,
+) -> tuple[str, TurnRecord]:
+    """One streamed chat completion: the answer text and what the turn cost."""
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": workload.output_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first: float | None = None
+    pieces: list[str] = []
+    usage: dict[str, Any] = {}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            detail = (await response.aread()).decode(errors="replace")
+            raise RuntimeError(f"chat completion failed ({response.status_code}): {detail[:500]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            for choice in chunk.get("choices") or ():
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    if first is None:
+                        first = time.perf_counter()
+                    pieces.append(content)
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    end = time.perf_counter()
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens")
+    record = TurnRecord(
+        conversation=conversation,
+        turn=turn,
+        prompt_tokens=int(usage.get("prompt_tokens", 0)),
+        cached_tokens=None if cached is None else int(cached),
+        ttft_s=(first if first is not None else end) - start,
+        latency_s=end - start,
+    )
+    return "".join(pieces), record
