@@ -1,20 +1,26 @@
 """The admin HTTP service: a FastAPI app built by `create_app(node)`, so tests build apps with their own node.
 
 Routes here: `/healthz` (store and cache reachability) and `/metrics` (Prometheus), open to all; the `/v1`
-resource routers (GC and jobs, pins) require the admin bearer token when one is configured.
+resource routers (GC and jobs, pins, warm and stats) require the admin bearer token when one is configured.
+With `events_endpoint` configured, GC jobs publish `BlockRemoved` for each deleted batch (`kvstore.events`).
+Library errors a route lets through still answer JSON: a `ConfigError` is the caller's input (422), any other
+`KVStoreError` a store or cache that cannot be used now (503); never an unexplained 500.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI, Response
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Request, Response, status
+from fastapi.responses import JSONResponse, PlainTextResponse
 from kvstore.admin import routes_gc, routes_pins, routes_warm
+from kvstore.admin.openapi import errors
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import ConfigError, KVStoreError
+from kvstore.events import open_publisher
 from kvstore.pins import pinned_keys
 from kvstore.runtime import Node
 
@@ -26,16 +32,33 @@ def bucket_and_node_pins(node: Node) -> Callable[[str], bool]:
 
 
 def create_app(node: Node) -> FastAPI:
-    app = FastAPI(title="kvstore admin", version="0.1.0")
+    # With `events_endpoint` set, GC publishes BlockRemoved for what it deletes; a bad endpoint fails here.
+    publisher = open_publisher(node.settings.events_endpoint)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if publisher is not None:
+            publisher.close()
+
+    app = FastAPI(title="kvstore admin", version="0.1.0", lifespan=lifespan)
     app.state.node = node
     token = node.settings.admin_token
     app.state.admin_token = token.get_secret_value() if token is not None else None
     app.state.gc_pinned = bucket_and_node_pins
+    app.state.events = publisher
+    app.state.gc_on_removed = publisher.publish_removed if publisher is not None else None
     app.include_router(routes_gc.router)
     app.include_router(routes_pins.router)
     app.include_router(routes_warm.router)
 
-    @app.get("/healthz")
+    @app.exception_handler(KVStoreError)
+    def library_error(request: Request, exc: KVStoreError) -> JSONResponse:
+        if isinstance(exc, ConfigError):
+            return JSONResponse({"detail": str(exc)}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+        return JSONResponse({"detail": str(exc)}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
+
+    @app.get("/healthz", responses=errors(503))
     def healthz() -> JSONResponse:
         checks: dict[str, Any] = {}
         try:
@@ -56,7 +79,7 @@ def create_app(node: Node) -> FastAPI:
         healthy = all(c["ok"] for c in checks.values())
         return JSONResponse({"ok": healthy, **checks}, status_code=200 if healthy else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     def metrics() -> Response:
         registry = node.engine.metrics.registry
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -270,12 +270,22 @@ def gc(
         bool, typer.Option("--dry-run", help="Report what would be deleted, delete nothing")
     ] = False,
 ) -> None:
-    """Garbage-collect the bucket (run it from cron): TTL, then a byte budget; pins and young objects stay."""
+    """Garbage-collect the bucket (run it from cron): TTL, then a byte budget; pins and young objects stay.
+    With `events_endpoint` set, each deleted batch is published as vLLM `BlockRemoved` events."""
+    from kvstore.events import open_publisher
     from kvstore.gc import run_gc
     from kvstore.lease import LeaseHeld
     from kvstore.pins import pinned_keys
 
-    with _store(_settings(), "GC failed") as store:
+    settings = _settings()
+    try:
+        publisher = None if dry_run else open_publisher(settings.events_endpoint)
+    except ConfigError as exc:
+        err.print(f"[red]configuration error:[/red] {exc}")
+        raise typer.Exit(EXIT_CONFIG) from None
+    with contextlib.ExitStack() as stack, _store(settings, "GC failed") as store:
+        if publisher is not None:
+            stack.callback(publisher.close)  # lingers so the last batch still goes out
         try:
             store.check()
             report = run_gc(
@@ -285,6 +295,7 @@ def gc(
                 grace_seconds=grace_seconds,
                 dry_run=dry_run,
                 pinned=pinned_keys(store),
+                on_removed=publisher.publish_removed if publisher is not None else None,
             )
         except LeaseHeld as exc:
             err.print(f"[yellow]another GC is running:[/yellow] {exc}")

@@ -44,7 +44,7 @@ class GCRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)  # strict: `false` is not a number of seconds
 
-    ttl_seconds: float = Field(gt=0, allow_inf_nan=False)
+    ttl_seconds: float = Field(ge=0, allow_inf_nan=False)
     max_bytes: PositiveJsonInt | None = None
     grace_seconds: float = Field(default=600.0, ge=0, allow_inf_nan=False)
     dry_run: bool = False

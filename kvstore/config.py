@@ -175,6 +175,8 @@ class Settings(BaseSettings):
     admin_host: str = "127.0.0.1"
     admin_port: int = 8750
     admin_token: SecretStr | None = None
+    # GC publishes BlockRemoved here in vLLM's KV-event format (e.g. tcp://127.0.0.1:5557); empty = off.
+    events_endpoint: str = ""
     data_dir: Path = Field(default_factory=default_data_dir)
 
     @field_validator("store_url", mode="before")

@@ -231,8 +231,8 @@ def run_gc(
 
     `now` is the clock GC judges ages by (tests advance it instead of sleeping); `on_removed` gets each
     deleted batch (never called in a dry run); `pinned` is a key predicate or a set of keys."""
-    if ttl_seconds <= 0:
-        raise ValueError(f"ttl_seconds must be > 0, got {ttl_seconds}")
+    if ttl_seconds < 0:  # 0: every unpinned chunk past the grace period goes (e.g. to empty a test bucket)
+        raise ValueError(f"ttl_seconds must be >= 0, got {ttl_seconds}")
     if grace_seconds < 0:
         raise ValueError(f"grace_seconds must be >= 0, got {grace_seconds}")
     if max_bytes is not None and max_bytes < 0:

@@ -165,3 +165,41 @@ def test_pin_add_ls_rm_and_migrate(tmp_path: Path, s3_server: Any, s3_store: Any
     assert first.returncode == 0, first.stdout + first.stderr
     again = subprocess.run([*KVSTORE, "migrate"], env=env, capture_output=True, text=True)
     assert again.returncode == 0 and "nothing to migrate" in again.stdout
+
+
+def test_gc_from_cron_publishes_block_removed(
+    tmp_path: Path, s3_server: Any, s3_store: Any, kv_subscriber: Any
+) -> None:
+    from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+
+    from kvstore.keys import Namespace, make_offload_key
+
+    ns = Namespace(model_name="tiny/model", tokens_per_hash=4, dtype="torch.bfloat16")
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    for h in hashes:
+        s3_store.put(ns.chunk_key(make_offload_key(h)), encode(b"z" * 100))
+    env = _env(
+        tmp_path,
+        KVSTORE_STORE_URL=f"s3://{s3_store.bucket}/{s3_store.prefix}",
+        KVSTORE_S3_ENDPOINT=s3_server.endpoint,
+        KVSTORE_EVENTS_ENDPOINT=kv_subscriber.endpoint,
+        AWS_ACCESS_KEY_ID=s3_server.access_key,
+        AWS_SECRET_ACCESS_KEY=s3_server.secret_key,
+    )
+    time.sleep(1.1)  # S3 times have one-second resolution: make the chunks older than the zero grace period
+    args = [*KVSTORE, "gc", "--ttl-seconds", "0", "--grace-seconds", "0"]
+    dry = subprocess.run([*args, "--dry-run"], env=env, capture_output=True, text=True)
+    assert dry.returncode == 0 and json.loads(dry.stdout)["deleted"] == 3, dry.stderr
+    run = subprocess.run(args, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["deleted"] == 3
+    # The process is gone; its one batch arrived (the dry run sent none: this is the first, seq 0).
+    seq, batch = kv_subscriber.next()
+    assert seq == 0 and len(batch.events) == 1
+    expected = {maybe_convert_block_hash(BlockHash(h)) for h in hashes}
+    assert set(batch.events[0].block_hashes) == expected
+
+    bad = subprocess.run(
+        args, env={**env, "KVSTORE_EVENTS_ENDPOINT": "udp://x"}, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "events_endpoint" in bad.stderr
