@@ -1,12 +1,15 @@
 """The pins API: create, list, read and delete pin manifests in the node's bucket (`/v1/pins`).
 
 Creating a pin computes the chunk keys (token ids, a prompt or chat messages, hashed like vLLM) and writes the
-manifest; nodes pick it up through `kvstore.pins.apply_pins`. Errors map to 404 (unknown pin or namespace),
-409 (name taken) and 422 (bad input), each as JSON `{"detail": ...}`.
+manifest; nodes pick it up through `kvstore.pins.apply_pins`, which this service runs for its own node after
+every create and delete (the answer's `node_pins` says what changed, or why it could not). Errors map to 404
+(unknown pin or namespace), 409 (name taken) and 422 (bad input), each as JSON `{"detail": ...}`.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import asdict
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response, status
@@ -15,7 +18,7 @@ from kvstore.admin.openapi import AUTH_ERRORS, JsonInt, NonNegativeJsonInt, Posi
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.config import JsonDict
 
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import KVCacheGroup, Namespace
 from kvstore.pins import (
     NAMESPACE_ID_PATTERN,
@@ -23,6 +26,7 @@ from kvstore.pins import (
     PinExists,
     PinManifest,
     PinNotFound,
+    apply_pins,
     create_pin,
     delete_pin,
     get_pin,
@@ -33,6 +37,8 @@ from kvstore.pins import (
     tokens_from_prompt,
 )
 from kvstore.runtime import Node
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], tags=["pins"], responses=AUTH_ERRORS)
 
@@ -182,7 +188,17 @@ def create(body: PinIn, request: Request) -> dict[str, Any]:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
     except ConfigError as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
-    return {**_out(manifest), "num_tokens": len(tokens)}
+    return {**_out(manifest), "num_tokens": len(tokens), "node_pins": _apply_here(node)}
+
+
+def _apply_here(node: Node) -> dict[str, Any]:
+    """Bring this node's cache pins in line with the bucket. The manifest change already stands, so a
+    failure here is reported in the answer (and retried by the next create or delete), not raised."""
+    try:
+        return asdict(apply_pins(node.cache, node.store))
+    except KVStoreError as exc:
+        log.warning("could not apply pins to this node's cache: %s", exc)
+        return {"error": str(exc)}
 
 
 @router.get("/pins", responses=errors(422, 503))
@@ -203,10 +219,12 @@ def read(name: PinName, request: Request) -> dict[str, Any]:
 
 @router.delete("/pins/{name}", status_code=status.HTTP_204_NO_CONTENT, responses=errors(404, 422, 503))
 def remove(name: PinName, request: Request) -> Response:
+    node = _node(request)
     try:
-        delete_pin(_node(request).store, name)
+        delete_pin(node.store, name)
     except PinNotFound as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from None
     except ConfigError as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
+    _apply_here(node)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

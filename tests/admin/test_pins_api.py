@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from kvstore.admin.app import create_app
 from kvstore.admin.routes_pins import router
 from prometheus_client import CollectorRegistry
 
+from kvstore.chunk import decode
 from kvstore.config import load_settings
 from kvstore.hashing import chunk_keys
 from kvstore.keys import KVCacheGroup, Namespace
@@ -111,3 +113,66 @@ def test_errors(client: TestClient, node: Node) -> None:
     anon = TestClient(client.app)
     assert anon.get("/v1/pins").status_code == 401
     assert anon.get("/v1/pins", headers={"Authorization": "Bearer wrong"}).status_code == 403
+
+
+def test_pinned_chunks_survive_eviction_pressure_and_gc(
+    s3_server: Any, s3_store: Any, tmp_path: Path
+) -> None:
+    """A pin made through the API holds its chunks in a node cache filled far past its budget, and GC (TTL 0,
+    no grace) deletes every other chunk from the bucket but none of the pinned ones."""
+    budget = 1 << 20
+    chunk = 64 << 10  # a cache of 16 such chunks
+    settings = load_settings(
+        store_url=f"s3://{s3_store.bucket}/{s3_store.prefix}",
+        s3_endpoint=s3_server.endpoint,
+        access_key=s3_server.access_key,
+        secret_key=s3_server.secret_key,
+        cache_dir=tmp_path / "cache",
+        cache_bytes=budget,
+        admin_token="s3cret",
+    )
+    node = open_node(settings, metrics=EngineMetrics(CollectorRegistry()))
+    try:
+        client = TestClient(create_app(node), headers={"Authorization": "Bearer s3cret"})
+        node.store.put(NS.config_key, json.dumps(NS.fields()).encode())
+        r = client.post("/v1/pins", json={"name": "system", "namespace": NS.id, "token_ids": list(range(64))})
+        assert r.status_code == 201, r.text
+        pinned = r.json()["keys"]
+        assert len(pinned) == 4 and r.json()["node_pins"]["pinned"] == 4  # applied to this node at once
+        payloads = {key: bytes([i + 1]) * chunk for i, key in enumerate(pinned)}
+        node.engine.store_many(list(payloads.items()))
+        # Other prompts' chunks: 8x the budget, written through the same engine.
+        others = chunk_keys(NS, list(range(1000, 1000 + 16 * 128)))
+        assert len(others) == 128
+        for start in range(0, len(others), 16):
+            node.engine.store_many([(k, bytes([7]) * chunk) for k in others[start : start + 16]])
+        assert node.engine.flush(60)
+
+        usage = node.cache.usage()
+        assert usage.used_bytes <= usage.budget_bytes == budget
+        assert all(node.cache.contains_many(pinned))
+        assert sum(node.cache.contains_many(others)) < len(others) - 100  # most of them were evicted
+        for key, raw in payloads.items():
+            blob = node.cache.get(key)  # the NVMe copy itself, verified by its checksum
+            assert blob is not None and decode(blob) == raw
+
+        time.sleep(1.1)  # S3 times have one-second resolution: every object is older than "now" below
+        started = client.post("/v1/gc", json={"ttl_seconds": 0, "grace_seconds": 0})
+        assert started.status_code == 202, started.text
+        job = wait_job(client, started.json()["id"])
+        assert job["status"] == "done", job
+        report = job["result"]
+        assert (report["kept_pinned"], report["deleted"], report["kept_young"]) == (4, 128, 0)
+        assert all(node.store.exists_many(pinned)) and not any(node.store.exists_many(others))
+    finally:
+        node.close()
+
+
+def wait_job(client: TestClient, job_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        body: dict[str, Any] = client.get(f"/v1/jobs/{job_id}").json()
+        if body["status"] in ("done", "failed"):
+            return body
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} did not finish")
