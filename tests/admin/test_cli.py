@@ -36,7 +36,7 @@ def test_serve_starts_the_embedded_s3_server_and_stops_it(tmp_path: Path) -> Non
     port = _free_port()
     proc = subprocess.Popen(
         [*KVSTORE, "serve", "--port", str(port)],
-        env=_env(tmp_path),
+        env=_env(tmp_path, KVSTORE_ADMIN_TOKEN="tok"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -54,6 +54,18 @@ def test_serve_starts_the_embedded_s3_server_and_stops_it(tmp_path: Path) -> Non
         assert health.json()["store"]["ok"]
         creds = tmp_path / "data" / "kvstore" / "s3" / "credentials.json"
         assert creds.stat().st_mode & 0o777 == 0o600
+        # The /v1 API over HTTP, on the served instance and its real S3 server.
+        base = f"http://127.0.0.1:{port}/v1"
+        assert httpx.get(f"{base}/pins", timeout=10).status_code == 401
+        auth = {"Authorization": "Bearer tok"}
+        assert (
+            httpx.get(f"{base}/pins", headers={"Authorization": "Bearer no"}, timeout=10).status_code == 403
+        )
+        assert httpx.get(f"{base}/pins", headers=auth, timeout=10).json() == {"pins": []}
+        gc = httpx.post(f"{base}/gc", json={"ttl_seconds": 60, "dry_run": True}, headers=auth, timeout=10)
+        assert gc.status_code == 202
+        bad = httpx.post(f"{base}/gc", json={"ttl_seconds": "soon"}, headers=auth, timeout=10)
+        assert bad.status_code == 422 and bad.json()["detail"]
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)

@@ -6,11 +6,17 @@ S3 `last_modified` is the server's real clock, so tests move GC's `now=` forward
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import random
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -363,3 +369,104 @@ def test_property_example_on_s3(s3_store: Any) -> None:
     pins = set(rng.sample(keys, 4))
     check_gc_invariants(s3_store, now=t0 + 4500, ttl=2000, grace=100, pins=pins, max_bytes=None)
     check_gc_invariants(s3_store, now=t0 + 4500, ttl=2000, grace=100, pins=pins, max_bytes=200)
+
+
+# A GC in a process of its own that stops inside its first deleted batch until `gate` exists (or forever,
+# to be killed there): the lease is held and part of the work is done.
+_GC_PROCESS = """
+import json, pathlib, sys, time
+import kvstore.gc as gc
+from kvstore.stores.s3 import S3Store
+cfg = json.loads(sys.argv[1])
+gc.DELETE_BATCH = cfg["batch"]
+gate = pathlib.Path(cfg["gate"])
+def hold(keys):
+    (gate.parent / "deleting").write_text(str(len(keys)))
+    while not gate.exists():
+        time.sleep(0.05)
+store = S3Store(cfg["bucket"], cfg["prefix"], endpoint=cfg["endpoint"], access_key=cfg["access_key"],
+                secret_key=cfg["secret_key"])
+report = gc.run_gc(store, ttl_seconds=10, grace_seconds=0, now=cfg["now"], on_removed=hold,
+                   lease_ttl_s=cfg["lease_ttl_s"], holder="gc-process")
+print(json.dumps(report.as_dict()))
+"""
+
+
+def start_gc_process(
+    s3_server: Any, store: Any, tmp_path: Path, now: float, *, batch: int = 1000, lease_ttl_s: float = 300
+) -> subprocess.Popen[str]:
+    cfg = {
+        "bucket": store.bucket,
+        "prefix": store.prefix,
+        "endpoint": s3_server.endpoint,
+        "access_key": s3_server.access_key,
+        "secret_key": s3_server.secret_key,
+        "now": now,
+        "batch": batch,
+        "lease_ttl_s": lease_ttl_s,
+        "gate": str(tmp_path / "gate"),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _GC_PROCESS, json.dumps(cfg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "deleting").exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the GC process never started deleting"
+        time.sleep(0.05)
+    return proc
+
+
+def test_two_gc_processes_at_once_only_one_runs(s3_server: Any, s3_store: Any, tmp_path: Path) -> None:
+    keys = [chunk(7000 + i) for i in range(20)]
+    write_chunks(s3_store, keys)
+    t0 = server_time(s3_store)
+    first = start_gc_process(s3_server, s3_store, tmp_path, t0 + 100)
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "AWS_"))}
+        env.update(
+            KVSTORE_STORE_URL=f"s3://{s3_store.bucket}/{s3_store.prefix}",
+            KVSTORE_S3_ENDPOINT=s3_server.endpoint,
+            AWS_ACCESS_KEY_ID=s3_server.access_key,
+            AWS_SECRET_ACCESS_KEY=s3_server.secret_key,
+            XDG_DATA_HOME=str(tmp_path / "data"),
+        )
+        second = subprocess.run(
+            [sys.executable, "-m", "kvstore.admin.cli", "gc", "--ttl-seconds", "10", "--grace-seconds", "0"],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert second.returncode == 4 and "gc-process" in second.stderr, second.stdout + second.stderr
+    finally:
+        (tmp_path / "gate").touch()
+        out, err = first.communicate(timeout=60)
+    assert first.returncode == 0, err
+    assert json.loads(out)["deleted"] == 20 and not present(s3_store) & set(keys)
+    assert len(list_reports(s3_store)) == 1  # the refused run wrote nothing
+
+
+def test_gc_resumes_after_a_crash(s3_server: Any, s3_store: Any, tmp_path: Path) -> None:
+    keys = [chunk(8000 + i) for i in range(12)]
+    write_chunks(s3_store, keys)
+    t0 = server_time(s3_store)
+    crashed = start_gc_process(s3_server, s3_store, tmp_path, t0 + 100, batch=5, lease_ttl_s=2)
+    crashed.send_signal(signal.SIGKILL)  # inside its first batch: 5 deleted, the lease held, no report
+    crashed.communicate(timeout=30)
+    left = present(s3_store) & set(keys)
+    assert len(left) == 7 and list_reports(s3_store) == []
+    with pytest.raises(LeaseHeld):  # the dead run's lease still stands until it expires
+        run_gc(s3_store, ttl_seconds=10, grace_seconds=0, now=t0 + 100)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            report = run_gc(s3_store, ttl_seconds=10, grace_seconds=0, now=t0 + 100)
+            break
+        except LeaseHeld:
+            assert time.monotonic() < deadline, "the crashed run's lease never expired"
+            time.sleep(0.2)
+    assert report.deleted == 7 and report.objects == 7
+    assert not present(s3_store) & set(keys) and len(list_reports(s3_store)) == 1
