@@ -222,6 +222,16 @@ class CacheIndex:
         return None if raw is None else Entry.unpack(raw)
 
     @_translate
+    def get_many(self, keys: Iterable[str]) -> list[Entry | None]:
+        """Each key's entry (or None), from one snapshot: a load of many chunks reads the index once."""
+        s = self._db()
+        db = s.entries
+        with s.env.begin() as txn:
+            get = txn.get
+            raws = [get(encode_key(k), db=db) for k in keys]
+        return [None if raw is None else Entry.unpack(raw) for raw in raws]
+
+    @_translate
     def contains_many(self, keys: Iterable[str]) -> list[bool]:
         s = self._db()
         db = s.entries

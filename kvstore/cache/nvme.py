@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -152,6 +152,16 @@ class NVMeCache:
         if touch:
             self._touch_one(key)
         return CachedChunk(key=key, path=self._files.path_str(key, entry.token), size=entry.size)
+
+    def locate_many(self, keys: Sequence[str]) -> list[CachedChunk | None]:
+        """`locate` for many keys from one index snapshot (no touches: the caller records its own)."""
+        entries = self._index.get_many(_key_list(keys))
+        return [
+            None
+            if entry is None
+            else CachedChunk(key=key, path=self._files.path_str(key, entry.token), size=entry.size)
+            for key, entry in zip(keys, entries, strict=True)
+        ]
 
     def forget(self, key: str, path: str) -> None:
         """Drop `key`'s entry if it still names the file at `path`, which a reader found missing or torn."""

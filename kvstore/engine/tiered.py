@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvstore.cache import NVMeCache
+from kvstore.cache import CachedChunk, NVMeCache
 from kvstore.chunk import (
     HEADER_SIZE,
     Codec,
@@ -279,10 +279,19 @@ class TieredStore:
         """Fill each buffer with its chunk's raw bytes; True where the chunk was found and verified.
         Buffers whose entry is False may hold garbage and must not be used."""
         start = time.perf_counter()
+        # One index read for the whole batch: each LMDB transaction hands the GIL away once.
+        where = (
+            self.cache.locate_many([k for k, _ in items]) if self.cache is not None else [None] * len(items)
+        )
+        located = dict(zip((k for k, _ in items), where, strict=True))
+
+        def load_local(key: str, dest: memoryview) -> bool:
+            return self._load_local(key, dest, located[key])
+
         if len(items) > 1 and sum(len(d.cast("B")) for _, d in items) > _SEQUENTIAL_MAX:
-            out = self._in_parallel(items, range(len(items)), self._load_local)
+            out = self._in_parallel(items, range(len(items)), load_local)
         else:
-            out = [self._load_local(key, dest) for key, dest in items]
+            out = [load_local(key, dest) for key, dest in items]
         hits = sum(out)
         if hits and self.cache is not None:
             self._touches.append([key for (key, _), ok in zip(items, out, strict=True) if ok])
@@ -342,9 +351,10 @@ class TieredStore:
         remote = self._fetch_remote(key)
         return None if remote is None else decode(remote)
 
-    def _load_local(self, key: str, dest: memoryview) -> bool:
-        """From NVMe, or from the upload queue; False if neither has the chunk (or it failed to verify)."""
-        if self.cache is not None and self._load_from_nvme(key, dest):
+    def _load_local(self, key: str, dest: memoryview, located: CachedChunk | None) -> bool:
+        """From NVMe (where the index said it is), or from the upload queue; False if neither has the chunk
+        (or it failed to verify)."""
+        if located is not None and self._load_from_nvme(located, dest):
             return True
         queued = self._uploads.pending(key)
         if queued is None:
@@ -352,11 +362,9 @@ class TieredStore:
         decode_into(queued, dest)  # our own fresh encoding; cannot be corrupt
         return True
 
-    def _load_from_nvme(self, key: str, dest: memoryview) -> bool:
+    def _load_from_nvme(self, located: CachedChunk, dest: memoryview) -> bool:
         assert self.cache is not None
-        located = self.cache.locate(key, touch=False)
-        if located is None:
-            return False
+        key = located.key
         try:
             out = dest.cast("B") if dest.ndim != 1 or dest.format != "B" else dest
             head = bytearray(HEADER_SIZE)

@@ -6,6 +6,7 @@ import struct
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -86,6 +87,13 @@ def test_checksum_mismatch_is_specific() -> None:
     blob[-1] ^= 0xFF
     with pytest.raises(ChecksumMismatch):
         decode(bytes(blob))
+
+
+@pytest.mark.parametrize("size", [0, 1, 65_535, 65_536, 65_537, 3 * 65_536 + 7, 1 << 20])
+def test_checksum_in_pieces_equals_one_shot_xxh3(size: int) -> None:
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    assert checksum(data) == xxhash.xxh3_128_digest(data)
+    assert checksum(memoryview(np.frombuffer(data, dtype=np.uint8))) == xxhash.xxh3_128_digest(data)
 
 
 def test_destination_of_wrong_size() -> None:

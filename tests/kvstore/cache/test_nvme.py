@@ -95,6 +95,14 @@ def test_locate(cache: NVMeCache) -> None:
     assert Path(loc.path).is_relative_to(cache.directory)
 
 
+def test_locate_many_matches_locate(cache: NVMeCache) -> None:
+    for i in (1, 3):
+        cache.put(k(i), blob(i))
+    keys = [k(i) for i in range(4)]
+    assert cache.locate_many(keys) == [cache.locate(key, touch=False) for key in keys]
+    assert [c is not None for c in cache.locate_many(keys)] == [False, True, False, True]
+
+
 def test_contains_many(cache: NVMeCache) -> None:
     cache.put(k(1), blob(1))
     cache.put(k(3), blob(3))
