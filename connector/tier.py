@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import logging
 import queue
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
@@ -73,7 +74,14 @@ _SETTINGS_OPTIONS = {
     "remote_workers",
     "remote_copy_queue_bytes",
 }
-_TIER_OPTIONS = {"enable_kv_events", "locality", "job_workers", "access_records", "access_flush_s"}
+_TIER_OPTIONS = {
+    "enable_kv_events",
+    "locality",
+    "job_workers",
+    "access_records",
+    "access_flush_s",
+    "gil_switch_interval_s",
+}
 
 
 class KVStoreTier(SecondaryTierManager):
@@ -98,6 +106,14 @@ class KVStoreTier(SecondaryTierManager):
         if not settings.store_url:
             raise ConfigError("KVStoreTier: store_url is required (or set KVSTORE_STORE_URL)")
         self.locality = Locality(options["locality"]) if options.get("locality") else Locality.LOCAL
+        # While jobs run, vLLM's engine loop spins on the GIL waiting for them, and each of our threads coming
+        # back from a read waits up to Python's switch interval (5 ms) for it: a load of 50 chunks could
+        # spend most of its time queueing for the GIL. A short interval while jobs are in flight bounds each
+        # hand-off; the process's own interval is restored when none are. 0 leaves it alone.
+        self._fast_switch = float(options.get("gil_switch_interval_s", 0.0002))
+        if self._fast_switch < 0:
+            raise ConfigError("KVStoreTier: gil_switch_interval_s must be >= 0")
+        self._normal_switch = sys.getswitchinterval()
 
         mapper = FileMapper.from_offloading_spec(
             root_dir="",
@@ -198,6 +214,8 @@ class KVStoreTier(SecondaryTierManager):
         while self._finished:
             done.append(self._finished.popleft())
         self._reported += len(done)
+        if done and self._fast_switch and self._submitted == self._reported:  # nothing in flight any more
+            sys.setswitchinterval(self._normal_switch)
         return done
 
     @override
@@ -217,6 +235,8 @@ class KVStoreTier(SecondaryTierManager):
     def shutdown(self) -> None:
         self.drain_jobs()
         self._closed = True
+        if self._fast_switch:
+            sys.setswitchinterval(self._normal_switch)
         for _ in self._workers:
             self._jobs.put(None)
         for worker in self._workers:
@@ -247,6 +267,8 @@ class KVStoreTier(SecondaryTierManager):
     # ----------------------------------------------------------- job threads
 
     def _start_job(self, run: Callable[[TransferJob], JobResult], job: TransferJob) -> None:
+        if self._fast_switch and self._submitted == self._reported:  # first job in flight
+            sys.setswitchinterval(self._fast_switch)
         self._submitted += 1
         if self._closed:  # after shutdown: fail the job, still reported exactly once
             self._finish(JobResult(job_id=job.job_id, success=False))

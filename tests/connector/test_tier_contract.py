@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -164,6 +165,16 @@ def test_drain_waits_for_every_job(node: StandaloneTier) -> None:
     assert sorted(r.job_id for r in results) == list(range(8))
     assert all(r.success for r in results)
     assert list(tier.get_finished_jobs()) == []
+
+
+def test_gil_switch_interval_is_short_only_while_jobs_are_in_flight(node: StandaloneTier) -> None:
+    normal = sys.getswitchinterval()
+    tier = node.tier
+    node.fill(0, data(0))
+    tier.submit_store(job(1, [okey(0)], [0], promotion=False))
+    assert sys.getswitchinterval() == pytest.approx(0.0002)
+    wait_jobs(tier, {1})
+    assert sys.getswitchinterval() == pytest.approx(normal)
 
 
 def test_events_and_stats(s3_env: None, s3_store: ObjectStore, tmp_path: Path) -> None:
