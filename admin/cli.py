@@ -100,6 +100,25 @@ def serve(
 
 
 @app.command()
+def demo(
+    conversations: Annotated[int, typer.Option(min=1, help="Conversations in the replay")] = 6,
+    turns: Annotated[int, typer.Option(min=2, help="Turns per conversation")] = 3,
+    hold: Annotated[
+        bool, typer.Option(help="Keep everything running after the report, until Ctrl-C")
+    ] = True,
+) -> None:
+    """Start S3 (embedded), the admin service and vLLM with our tier; replay a multi-turn chat; report."""
+    from kvstore.admin.demo_view import show_demo
+    from kvstore.connector.vllm_server import VLLMServerError
+
+    try:
+        show_demo(_settings(), console, conversations=conversations, turns=turns, hold=hold)
+    except (KVStoreError, VLLMServerError) as exc:
+        err.print(f"[red]demo failed:[/red] {exc}")
+        raise typer.Exit(EXIT_UNAVAILABLE) from None
+
+
+@app.command()
 def fsck(
     fix: Annotated[bool, typer.Option("--fix", help="Repair what is found")] = False,
     cache_dir: Annotated[Path | None, typer.Option(help="Cache directory (default from settings)")] = None,

@@ -1,0 +1,126 @@
+"""What `kvstore demo` shows: a progress bar over the replay, then where the KV came from and the TTFT
+saved. The work itself is `kvstore.connector.demo.run_demo`."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvstore.config import Settings
+
+
+def show_demo(settings: Settings, console: Console, *, conversations: int, turns: int, hold: bool) -> None:
+    from kvstore.connector.demo import DemoOptions, DemoReport, run_demo
+    from kvstore.connector.multiturn import TurnRecord
+
+    options = DemoOptions(conversations=conversations, turns=turns)
+    progress = Progress(
+        TextColumn("multi-turn replay"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("turns  last TTFT {task.fields[ttft]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+    task = progress.add_task("replay", total=conversations * turns, ttft="-")
+
+    def on_turn(record: TurnRecord) -> None:
+        if not progress.live.is_started:
+            progress.start()
+        progress.update(task, advance=1, ttft=f"{record.ttft_s:.3f} s")
+        if progress.finished:
+            progress.stop()
+
+    def finish(report: DemoReport) -> None:
+        _print_report(console, report)
+        if hold:
+            console.print("\n[bold]Everything is still running[/bold]; press Ctrl-C to stop it all.")
+            _wait_for_interrupt()
+
+    try:
+        run_demo(settings, options, say=lambda msg: console.print(f"[dim]... {msg}[/dim]"), on_turn=on_turn,
+                 hold=finish)  # fmt: skip
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopped everything the demo started[/yellow]")
+    finally:
+        progress.stop()
+    console.print("[dim]stopped vLLM, the admin service and the S3 server[/dim]")
+
+
+def _wait_for_interrupt() -> None:
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _rate(hits: float, queries: float) -> str:
+    return f"{hits / queries:.0%} ({hits:,.0f} of {queries:,.0f})" if queries else "-"
+
+
+def _print_report(console: Console, report: object) -> None:
+    from kvstore.connector.demo import DemoReport
+
+    assert isinstance(report, DemoReport)
+    turns = Table(title="TTFT by turn (every turn resends the whole conversation)")
+    for col in ("turn", "requests", "mean TTFT s", "prompt tokens from a cache"):
+        turns.add_column(col, justify="right")
+    for turn, ttft in report.ttft_by_turn.items():
+        records = [r for r in report.turns if r.turn == turn]
+        prompt = sum(r.prompt_tokens for r in records)
+        cached = sum(r.cached_tokens or 0 for r in records)
+        turns.add_row(
+            str(turn + 1), str(len(records)), f"{ttft:.3f}", f"{cached / prompt:.0%}" if prompt else "-"
+        )
+    console.print(turns)
+
+    sources = Table(title="Where the prompt tokens came from")
+    for col in ("source", "tokens", "share"):
+        sources.add_column(col, justify="right")
+    labels = {"device": "engine KV cache (prefix cache)", "host": "CPU tier", "disk": "KVStoreTier"}
+    total = report.prompt_tokens or 1.0
+    for source, label in labels.items():
+        tokens = report.token_sources.get(source, 0.0)
+        sources.add_row(label, f"{tokens:,.0f}", f"{tokens / total:.0%}")
+    computed = max(0.0, report.prompt_tokens - sum(report.token_sources.values()))
+    sources.add_row("recomputed", f"{computed:,.0f}", f"{computed / total:.0%}")
+    console.print(sources)
+
+    tiers = Table(title="KVStoreTier chunk lookups (hit rate per tier)")
+    tiers.add_column("tier")
+    tiers.add_column("hit rate", justify="right")
+    for tier, counts in report.kvstore_tiers.items():
+        tiers.add_row({"nvme": "NVMe cache", "object": "object store"}.get(tier, tier),
+                      _rate(counts.hits, counts.queries))  # fmt: skip
+    console.print(tiers)
+
+    saved = report.returning_recompute_s - report.returning_hit_s
+    console.print(
+        f"\nReturning user ({report.returning_hit_tokens:,} prompt tokens served from a cache): TTFT "
+        f"[bold]{report.returning_hit_s:.3f} s[/bold] from the cache vs [bold]"
+        f"{report.returning_recompute_s:.3f} s[/bold] recomputed on the same engine "
+        f"({saved:+.3f} s saved, {report.returning_recompute_s / report.returning_hit_s:.1f}x faster)."
+        if report.returning_hit_s > 0
+        else ""
+    )
+    console.print(
+        "\nLook around:\n"
+        f"  vLLM metrics (vllm:kvstore_*):  {report.vllm_url}/metrics\n"
+        f"  admin API docs:                 {report.admin_url}/docs\n"
+        f"  kvstore metrics and stats:      {report.admin_url}/metrics   {report.admin_url}/v1/stats\n"
+        "  Grafana dashboard (Docker):     docker compose -f compose/docker-compose.yml up, "
+        "then http://127.0.0.1:3000"
+    )

@@ -1,0 +1,262 @@
+"""`kvstore demo`: the whole system on one machine, in one command.
+
+It starts the embedded S3 server (or uses the configured store), the admin service and a vLLM OpenAI server
+(CPU backend, the tiny local model) whose KV cache and CPU tier are far too small for the conversations it
+is sent, with KVStoreTier behind them. Then:
+
+1. a long "returning user" prompt is sent once (recomputed, and stored by the tier);
+2. a short multi-turn replay runs with a progress bar: every conversation resends its whole history, and the
+   others push it out of the engine and the CPU tier in between, so later turns come back from our tier;
+3. the returning user's prompt is sent again (served from our tier), and once more with a `cache_salt`,
+   which no cache can match, so the engine recomputes it: the TTFT saved, measured in the same run.
+
+Everything it starts is stopped on exit, on an error or on Ctrl-C (an `ExitStack` unwinds it), and the vLLM
+server's leftovers in /dev/shm and /tmp are removed by `vllm_server`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from kvstore.connector.bench_multiturn import Sizing
+from kvstore.connector.multiturn import TurnRecord, Workload, replay
+from kvstore.connector.tiny_model import TinyModelSpec, build_tiny_model, sample_text
+from kvstore.connector.vllm_server import VLLMServer, metric_total, vllm_server
+from pydantic import SecretStr
+
+from kvstore.config import GiB, Settings
+from kvstore.runtime import EMBEDDED_BUCKET, open_node, open_object_store
+
+__all__ = ["DemoOptions", "DemoReport", "demo_sizing", "run_demo"]
+
+DEMO_PREFIX = "demo"
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    conversations: int = 6
+    context_tokens: int = 1500
+    turn_tokens: int = 200
+    turns: int = 3
+    output_tokens: int = 16
+    concurrency: int = 3
+    returning_user_tokens: int = 3000
+    admin_port: int | None = None  # None: settings.admin_port, or a free port when that one is taken
+
+
+@dataclass
+class TierCounts:
+    queries: float
+    hits: float
+
+    @property
+    def rate(self) -> float | None:
+        return self.hits / self.queries if self.queries else None
+
+
+@dataclass
+class DemoReport:
+    admin_url: str
+    vllm_url: str
+    turns: list[TurnRecord] = field(default_factory=list)
+    # All the demo's prompt tokens by where they came from: device (engine prefix cache), host (CPU tier),
+    # disk (our tier); the rest was computed.
+    token_sources: dict[str, float] = field(default_factory=dict)
+    prompt_tokens: float = 0.0
+    kvstore_tiers: dict[str, TierCounts] = field(default_factory=dict)
+    returning_cold_s: float = 0.0  # first time: recomputed
+    returning_hit_s: float = 0.0  # again, after the replay pushed it out of the engine and the CPU tier
+    returning_recompute_s: float = 0.0  # again, with a cache_salt: recomputed, same engine, same moment
+    returning_hit_tokens: int = 0  # of the prompt, how many tokens came from a cache
+
+    @property
+    def ttft_by_turn(self) -> dict[int, float]:
+        turns = sorted({r.turn for r in self.turns})
+        return {t: statistics.fmean(r.ttft_s for r in self.turns if r.turn == t) for t in turns}
+
+
+def demo_sizing(options: DemoOptions) -> Sizing:
+    """An engine KV cache of about one long request and a CPU tier of about one more: the replay's
+    conversations (and the returning user) cannot all stay above our tier, the regime the product is for."""
+    spec = TinyModelSpec()
+    per_token = spec.num_layers * 2 * spec.num_kv_heads * (spec.hidden_size // spec.num_heads) * 2  # bf16
+    longest = max(
+        options.returning_user_tokens,
+        options.context_tokens + options.turns * (options.turn_tokens + options.output_tokens + 32),
+    )
+    max_model_len = -(-(longest + 256) // 1024) * 1024
+    return Sizing(
+        # vLLM needs room for one full-length request and then some (block and per-layer rounding).
+        engine_kv_bytes=3 * max_model_len * per_token // 2,
+        cpu_bytes=max_model_len * per_token,
+        kv_bytes_per_token=per_token,
+        max_model_len=max_model_len,
+        max_num_seqs=options.concurrency + 1,
+        max_num_batched_tokens=max_model_len,
+    )
+
+
+def run_demo(
+    settings: Settings,
+    options: DemoOptions,
+    *,
+    say: Callable[[str], None] = print,
+    on_turn: Callable[[TurnRecord], None] | None = None,
+    hold: Callable[[DemoReport], None] | None = None,
+) -> DemoReport:
+    """Run the demo; `hold(report)` runs while everything is still up (e.g. wait for Ctrl-C)."""
+    demo_dir = settings.data_dir / "demo"
+    with contextlib.ExitStack() as stack:
+        say("building the tiny local model (once)")
+        model = build_tiny_model(demo_dir / "tiny-llama")
+
+        store, server = open_object_store(settings)
+        store.close()
+        if server is not None:
+            stack.callback(server.stop)
+            store_url = f"s3://{EMBEDDED_BUCKET}/{DEMO_PREFIX}"
+            endpoint: str | None = server.endpoint
+            credentials = {"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key}
+            say(f"embedded S3 server at {server.endpoint} (data in {settings.data_dir / 's3'})")
+        else:
+            store_url = f"{settings.local_store_url.rstrip('/')}/{DEMO_PREFIX}"
+            endpoint, credentials = settings.s3_endpoint, {}
+            say(f"object store: {store_url}")
+        node_settings = settings.model_copy(
+            update={
+                "store_url": store_url,
+                "s3_endpoint": endpoint,
+                "cache_dir": demo_dir / "nvme",
+                "cache_bytes": 2 * GiB,
+                **(
+                    {"access_key": SecretStr(server.access_key), "secret_key": SecretStr(server.secret_key)}
+                    if server is not None
+                    else {}
+                ),
+            }
+        )
+        node = open_node(node_settings)
+        stack.callback(node.close)
+        admin_url = stack.enter_context(_admin_service(node, settings.admin_host, _port(settings, options)))
+        say(f"admin service at {admin_url} (API docs at {admin_url}/docs)")
+
+        sizing = demo_sizing(options)
+        tier: dict[str, Any] = {
+            "type": "KVStoreTier",
+            "module_path": "kvstore.connector.tier",
+            "store_url": store_url,
+            "cache_dir": str(node_settings.cache_dir),
+            "cache_bytes": node_settings.cache_bytes,
+        }
+        if endpoint:
+            tier["s3_endpoint"] = endpoint
+        say("starting vLLM (CPU backend, tiny model) with KVStoreTier behind a small KV cache and CPU tier")
+        vllm = stack.enter_context(
+            vllm_server(
+                model,
+                kv_transfer_config=sizing.tiering_config(tier),
+                env=credentials,
+                extra_args=sizing.server_args(),
+                log_path=demo_dir / "vllm.log",
+            )
+        )
+        report = DemoReport(admin_url=admin_url, vllm_url=vllm.base_url)
+        returning = sample_text(options.returning_user_tokens, seed=secrets.randbelow(1 << 30))
+
+        before = vllm.metrics()
+        say("a returning user's long prompt, first visit (recomputed, then stored by the tier)")
+        report.returning_cold_s, _ = _ttft(vllm, returning)
+        workload = Workload(
+            conversations=options.conversations,
+            context_tokens=options.context_tokens,
+            turn_tokens=options.turn_tokens,
+            turns=options.turns,
+            output_tokens=options.output_tokens,
+            concurrency=options.concurrency,
+            seed=secrets.randbelow(1 << 20),  # fresh texts each run: the replay starts cold
+        )
+        report.turns = asyncio.run(replay(vllm.base_url, vllm.model, workload, on_turn))
+
+        say("the returning user comes back: once as is, once with a cache_salt (forced recompute)")
+        report.returning_hit_s, report.returning_hit_tokens = _ttft(vllm, returning)
+        report.returning_recompute_s, _ = _ttft(vllm, returning, cache_salt=secrets.token_hex(8))
+        time.sleep(1.5)  # counters are published at the end of an engine step
+        _read_counts(report, before, vllm.metrics())
+        if hold is not None:
+            hold(report)
+    return report
+
+
+def _port(settings: Settings, options: DemoOptions) -> int:
+    """The configured admin port if it is free, else (or for port 0) any free one."""
+    wanted = settings.admin_port if options.admin_port is None else options.admin_port
+    with socket.socket() as sock:
+        try:
+            sock.bind((settings.admin_host, wanted))
+        except OSError:
+            sock.bind((settings.admin_host, 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _admin_service(node: Any, host: str, port: int) -> Iterator[str]:
+    """The admin API on a thread of this process, stopped when the block exits."""
+    import uvicorn
+    from kvstore.admin.app import create_app
+
+    server = uvicorn.Server(uvicorn.Config(create_app(node), host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="kvstore-demo-admin", daemon=True)
+    thread.start()
+    url = f"http://{host}:{port}"
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the admin service did not start on {url}")
+        time.sleep(0.05)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def _ttft(server: VLLMServer, prompt: str, cache_salt: str | None = None) -> tuple[float, int]:
+    """TTFT of a one-token completion (prefill only), and how many prompt tokens came from a cache."""
+    body: dict[str, Any] = {"model": server.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    start = time.perf_counter()
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=600)
+    elapsed = time.perf_counter() - start
+    response.raise_for_status()
+    details = response.json().get("usage", {}).get("prompt_tokens_details") or {}
+    return elapsed, int(details.get("cached_tokens") or 0)
+
+
+def _read_counts(report: DemoReport, before: dict[str, float], after: dict[str, float]) -> None:
+    def delta(name: str, **labels: str) -> float:
+        return float(metric_total(after, name, **labels) - metric_total(before, name, **labels))
+
+    report.prompt_tokens = delta("vllm:prompt_tokens_total")
+    report.token_sources = {
+        source: delta("vllm:prompt_tokens_cached_by_source_total", source=source)
+        for source in ("device", "host", "disk")
+    }
+    report.kvstore_tiers = {
+        tier: TierCounts(
+            queries=delta("vllm:kvstore_chunk_queries_total", tier=tier),
+            hits=delta("vllm:kvstore_chunk_hits_total", tier=tier),
+        )
+        for tier in ("nvme", "object")
+    }
+

@@ -1,0 +1,90 @@
+"""`kvstore demo` end to end: embedded S3, admin service, a real vLLM server with our tier, a multi-turn
+replay; then nothing it started is left: no process, no /dev/shm file."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+from kvstore.connector.demo import DemoOptions, DemoReport, run_demo
+from kvstore.connector.engine_runner import shm_snapshot
+from kvstore.connector.multiturn import TurnRecord
+
+from kvstore.config import load_settings
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+
+SMALL = DemoOptions(
+    conversations=5,
+    context_tokens=1200,
+    turn_tokens=100,
+    turns=2,
+    output_tokens=4,
+    concurrency=2,
+    returning_user_tokens=1200,
+)
+
+
+def _processes_under(path: Path) -> list[str]:
+    """Command lines of live processes that mention `path` (the demo's weed and vLLM do)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if proc.name.isdigit() and str(path) in cmdline:
+            found.append(cmdline[:200])
+    return found
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path, tiny_model: Path) -> Path:
+    # The demo builds its model under data_dir/demo once; reuse the session's build.
+    shutil.copytree(tiny_model, tmp_path / "demo" / "tiny-llama")
+    return tmp_path
+
+
+def test_demo_runs_everything_and_leaves_nothing(data_dir: Path) -> None:
+    shm_before = shm_snapshot()
+    seen: dict[str, int] = {}
+
+    def while_up(report: DemoReport) -> None:
+        assert httpx.get(f"{report.admin_url}/healthz").status_code == 200
+        assert httpx.get(f"{report.vllm_url}/health").status_code == 200
+        stats = httpx.get(f"{report.admin_url}/v1/stats").json()
+        seen["stats_keys"] = len(stats)
+        seen["processes"] = len(_processes_under(data_dir))
+
+    settings = load_settings(data_dir=data_dir, admin_port=0)
+    report = run_demo(settings, SMALL, say=lambda _: None, hold=while_up)
+
+    assert seen["stats_keys"] > 0 and seen["processes"] >= 2  # weed + vLLM were running
+    assert len(report.turns) == SMALL.conversations * SMALL.turns
+    # Second turns reuse the history: caches served part of them (not always all: a turn can come back
+    # while its first turn's KV is still on its way to the tiers).
+    assert sum(r.cached_tokens or 0 for r in report.turns if r.turn == 1) > 0
+    # The returning user's prompt was pushed out of the engine and the CPU tier, and came back from ours.
+    assert report.returning_hit_tokens > 0
+    assert report.token_sources["disk"] > 0
+    assert report.kvstore_tiers["nvme"].hits > 0
+    assert report.returning_recompute_s > 0 and report.returning_hit_s > 0
+
+    assert _processes_under(data_dir) == []
+    assert not {n for n in shm_snapshot() - shm_before if n.startswith(("vllm", "psm_", "sem.mp-"))}
+
+
+def test_ctrl_c_during_the_replay_stops_everything(data_dir: Path) -> None:
+    shm_before = shm_snapshot()
+
+    def interrupt(record: TurnRecord) -> None:
+        raise KeyboardInterrupt
+
+    settings = load_settings(data_dir=data_dir, admin_port=0)
+    with pytest.raises(KeyboardInterrupt):
+        run_demo(settings, SMALL, say=lambda _: None, on_turn=interrupt)
+
+    assert _processes_under(data_dir) == []
+    assert not {n for n in shm_snapshot() - shm_before if n.startswith(("vllm", "psm_", "sem.mp-"))}
