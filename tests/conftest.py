@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -155,3 +157,63 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # A run that selects no tests (e.g. `-m vllm` on a machine without vLLM) is not a failure.
     if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
         session.exitstatus = pytest.ExitCode.OK
+
+
+class KVEventSubscriber:
+    """A router's side of KV events: a SUB socket, bound on a free loopback port or connected to
+    `connect_to`, receiving on its own thread (a ZMQ socket completes its handshake, and so sends its
+    subscription, only while its owner calls into ZMQ). Batches decode with vLLM's own `KVEventBatch`."""
+
+    def __init__(self, *, connect_to: str = "") -> None:
+        import msgspec
+        import zmq
+
+        kv_events = pytest.importorskip("vllm.distributed.kv_events")
+        self._decoder = msgspec.msgpack.Decoder(type=kv_events.KVEventBatch)
+        self._messages: queue.Queue[list[bytes]] = queue.Queue()
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        if connect_to:
+            self._sock.connect(connect_to)
+            self.endpoint = connect_to
+        else:
+            self.endpoint = f"tcp://127.0.0.1:{self._sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._sock.poll(50):
+                self._messages.put(self._sock.recv_multipart())
+
+    def next(self) -> tuple[bytes, int, Any]:
+        """The next batch: (topic, sequence number, decoded `KVEventBatch`)."""
+        topic, seq, payload = self._messages.get(timeout=30)  # bounds a broken run only; never a timing check
+        return topic, int.from_bytes(seq, "big"), self._decoder.decode(payload)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sock.close(linger=0)
+
+
+@pytest.fixture
+def kv_subscriber() -> Iterator[KVEventSubscriber]:
+    subscriber = KVEventSubscriber()
+    yield subscriber
+    subscriber.close()
+
+
+@pytest.fixture
+def connect_kv_subscriber() -> Iterator[Callable[[str], KVEventSubscriber]]:
+    """Subscribers that connect to a publisher's endpoint (closed at the end of the test)."""
+    made: list[KVEventSubscriber] = []
+
+    def connect(endpoint: str) -> KVEventSubscriber:
+        made.append(KVEventSubscriber(connect_to=endpoint))
+        return made[-1]
+
+    yield connect
+    for subscriber in made:
+        subscriber.close()

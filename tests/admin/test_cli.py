@@ -206,7 +206,7 @@ def test_gc_from_cron_publishes_block_removed(
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["deleted"] == 3
     # The process is gone; its one batch arrived (the dry run sent none: this is the first, seq 0).
-    seq, batch = kv_subscriber.next()
+    _, seq, batch = kv_subscriber.next()
     assert seq == 0 and len(batch.events) == 1
     expected = {maybe_convert_block_hash(BlockHash(h)) for h in hashes}
     assert set(batch.events[0].block_hashes) == expected

@@ -190,7 +190,7 @@ def test_gc_publishes_block_removed_for_deleted_chunks_only(
         assert (result["deleted"], result["kept_pinned"], result["kept_young"]) == (2, 1, 1)
 
         # The first batch on the wire is the real run's: the dry run published nothing.
-        seq, batch = kv_subscriber.next()
+        _, seq, batch = kv_subscriber.next()
         assert seq == 0
         removed = {event.group_idx: event.block_hashes for event in batch.events}
         as_vllm = {name: maybe_convert_block_hash(BlockHash(h)) for name, h in hashes.items()}
@@ -200,7 +200,7 @@ def test_gc_publishes_block_removed_for_deleted_chunks_only(
         }
         # Nothing else was sent for this GC (kept chunks included): the next batch is this marker.
         app.state.events.publish_removed([keys["young"]])
-        seq, marker = kv_subscriber.next()
+        _, seq, marker = kv_subscriber.next()
         assert seq == 1 and marker.events[0].block_hashes == [as_vllm["young"]]
     finally:
         node.close()
