@@ -39,15 +39,15 @@ from typing import Any, TypeAlias
 import zstandard
 
 from kvstore.access import ACCESS_PREFIX, decode_batch, encode_batch
+from kvstore.keys import is_chunk_key
 from kvstore.lease import Lease
 from kvstore.stores import ObjectInfo, ObjectStore
 
-__all__ = ["GC_REPORT_PREFIX", "GCReport", "Pinned", "is_chunk_key", "list_reports", "run_gc"]
+__all__ = ["GC_REPORT_PREFIX", "GCReport", "Pinned", "list_reports", "run_gc"]
 
 log = logging.getLogger(__name__)
 
 GC_REPORT_PREFIX = "_meta/gc/reports/"
-META_PREFIX = "_meta/"
 DELETE_BATCH = 1000  # S3 DeleteObjects takes at most 1000 keys per request
 COMPACT_BATCH = 50_000  # keys per compacted access record, like the recorder's default flush size
 _COMPACT_ROUND_S = 60.0  # compacted timestamps are rounded *up*: a chunk may look younger, never older
@@ -85,11 +85,6 @@ class GCReport:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def is_chunk_key(key: str) -> bool:
-    """Whether GC may consider `key` at all: a `.bin` object outside `_meta/`."""
-    return key.endswith(".bin") and not key.startswith(META_PREFIX)
 
 
 def _pin_check(pinned: Pinned) -> Callable[[str], bool]:

@@ -152,3 +152,13 @@ def chunk_key_to_offload_key(chunk_key: str) -> bytes:
         return make_offload_key(bytes.fromhex(name.removesuffix(".bin")), group)
     except (ValueError, IndexError):
         raise ConfigError(f"not a chunk key: {chunk_key!r}") from None
+
+
+# Everything that is not chunk data (pins, leases, access records, GC reports) lives under this prefix.
+META_PREFIX = "_meta/"
+
+
+def is_chunk_key(key: str) -> bool:
+    """Whether `key` names a chunk object (a `.bin` object outside `_meta/`): what GC may delete and what
+    remote regions are asked for."""
+    return key.endswith(".bin") and not key.startswith(META_PREFIX)

@@ -14,7 +14,8 @@ from typing import Any
 from kvstore.cache import NVMeCache
 from kvstore.engine import TieredStore
 from kvstore.errors import KVStoreError
-from kvstore.gc import is_chunk_key, list_reports
+from kvstore.gc import list_reports
+from kvstore.keys import is_chunk_key
 from kvstore.pins import list_pins
 from kvstore.runtime import Node
 from kvstore.stores import ObjectStore

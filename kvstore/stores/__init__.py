@@ -4,7 +4,7 @@
 from kvstore.stores.base import Data, ObjectInfo, ObjectStore
 from kvstore.stores.local import LocalStore
 from kvstore.stores.memory import MemoryStore
-from kvstore.stores.regions import RegionalStore, get_located, is_chunk_key
+from kvstore.stores.regions import RegionalStore, get_located
 from kvstore.stores.s3 import S3Options, S3Store
 from kvstore.stores.url import open_store
 
@@ -18,6 +18,5 @@ __all__ = [
     "S3Options",
     "S3Store",
     "get_located",
-    "is_chunk_key",
     "open_store",
 ]

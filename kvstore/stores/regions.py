@@ -34,23 +34,15 @@ from typing_extensions import override
 
 from kvstore.chunk import decode
 from kvstore.errors import ChunkError, ConfigError, StoreError
+from kvstore.keys import is_chunk_key
 from kvstore.metrics import EngineMetrics
 from kvstore.stores.base import Data, ObjectInfo, ObjectStore
 
-__all__ = ["RegionalStore", "get_located", "is_chunk_key"]
+__all__ = ["RegionalStore", "get_located"]
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-# Meta objects (kvstore.gc.META_PREFIX) belong to one region: they never fall back to another.
-_META_PREFIX = "_meta/"
-
-
-def is_chunk_key(key: str) -> bool:
-    """Whether `key` names a chunk object, the only kind of object read from remote regions."""
-    return key.endswith(".bin") and not key.startswith(_META_PREFIX)
-
 
 def get_located(store: ObjectStore, key: str) -> tuple[bytes | None, str | None]:
     """`store.get(key)` plus the name of the region that answered (None for a single-region store)."""
