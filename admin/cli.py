@@ -555,7 +555,9 @@ def bench_multiturn(
             raise typer.Exit(EXIT_UNAVAILABLE) from None
         if server is not None:
             credentials = {"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key}
-            target = StoreTarget(f"s3://{EMBEDDED_BUCKET}/{run_prefix}", server.endpoint, credentials)
+            target = StoreTarget(
+                f"s3://{EMBEDDED_BUCKET}/{run_prefix}", server.endpoint, credentials, server.pid
+            )
         else:
             assert isinstance(settings.store_url, str), "a multi-region store_url is not supported here"
             target = StoreTarget(f"{settings.store_url.rstrip('/')}/{run_prefix}", settings.s3_endpoint)
@@ -606,16 +608,16 @@ def bench_multiturn(
     )
     table = Table(title=title)
     for col in (
-        "conversations",
+        "conv",
         "regime",
         "method",
         "prompt tok/s",
         "req/s",
-        "TTFT mean s",
-        "TTFT p90 s",
-        "engine hit",
-        "CPU hit",
-        "storage hit",
+        "TTFT s",
+        "p90 s",
+        "engine",
+        "CPU",
+        "storage",
         "computed",
         "storage hit rate",
     ):

@@ -17,11 +17,15 @@ Every method sees the same texts; each point has its own seed, so one point neve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
+import os
+import re
 import shutil
 import statistics
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -30,7 +34,7 @@ from typing import Any
 
 from kvstore.connector.configs import cpu_tiering_config
 from kvstore.connector.multiturn import TurnRecord, Workload, replay
-from kvstore.connector.vllm_server import VLLMServer, metric_total, vllm_server
+from kvstore.connector.vllm_server import VLLMServer, VLLMServerError, metric_total, vllm_server
 
 __all__ = [
     "METHODS",
@@ -38,6 +42,7 @@ __all__ = [
     "Point",
     "Sizing",
     "StoreTarget",
+    "load_report",
     "model_kv_bytes_per_token",
     "plot_report",
     "run_multiturn",
@@ -71,8 +76,7 @@ class Sizing:
             "--enable-prefix-caching",
         ]  # fmt: skip
         if not self.gpu:
-            # One engine-core process without a separate worker; eager (no compile step at startup).
-            args += ["--dtype", "bfloat16", "--enforce-eager", "--distributed-executor-backend", "uni"]
+            args += ["--dtype", "bfloat16", "--enforce-eager"]  # eager: no compile step at startup
         return args + list(self.extra_args)
 
     def tiering_config(self, *secondary_tiers: dict[str, Any]) -> dict[str, Any]:
@@ -91,6 +95,7 @@ class StoreTarget:
     store_url: str
     endpoint: str | None
     env: Mapping[str, str] = field(default_factory=dict)
+    server_pid: int | None = None  # a local S3 server's process, to account its CPU time per point
 
 
 @dataclass
@@ -113,6 +118,9 @@ class Point:
     storage_hit_rate: float | None
     # Our tier's own chunk lookups and hits per tier (nvme, object), from vllm:kvstore_chunk_*.
     kvstore_chunks: dict[str, dict[str, float]] = field(default_factory=dict)
+    # CPU seconds spent during the point: "process/thread" of the server group (thread numbers folded), and
+    # "s3-server" for a local S3 server. Where the machine's cores went, e.g. uploads vs forward passes.
+    cpu_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -190,20 +198,24 @@ def run_multiturn(
         for method in methods:
             config, env = _method_config(method, sizing, store, root)
             progress(f"{method}: starting a fresh vLLM server")
-            with vllm_server(
-                model_dir,
-                kv_transfer_config=config,
-                env=env,
-                extra_args=sizing.server_args(),
-                log_path=root / f"server-{method.replace('+', '-')}.log",
-            ) as server:
+            with contextlib.ExitStack() as stack:
+                server = _start_server(
+                    stack,
+                    progress,
+                    model_dir,
+                    kv_transfer_config=config,
+                    env=env,
+                    extra_args=sizing.server_args(),
+                    log_path=root / f"server-{method.replace('+', '-')}.log",
+                )
                 # First requests after start pay one-off costs (allocations, warm-up paths): not measured.
                 asyncio.run(replay(server.base_url, server.model, _warmup(workload)))
                 for index, n in enumerate(conversations):
                     point_load = Workload(**{**asdict(workload), "conversations": n, "seed": index + 1})
                     if on_point_start is not None:
                         on_point_start(method, n, n * workload.turns)
-                    report.points.append(_run_point(server, method, point_load, on_turn))
+                    s3_pid = store.server_pid if store is not None and method == "cpu+ours" else None
+                    report.points.append(_run_point(server, method, point_load, on_turn, s3_pid))
                     p = report.points[-1]
                     progress(
                         f"{method}, {n} conversations: {p.prompt_tokens_per_s:,.0f} prompt tokens/s, "
@@ -215,6 +227,18 @@ def run_multiturn(
         return report
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _start_server(
+    stack: contextlib.ExitStack, progress: Callable[[str], None], model_dir: Path, **options: Any
+) -> VLLMServer:
+    """A server that lives as long as `stack`; one retry: on a shared machine another process's cleanup of
+    /dev/shm can delete the semaphore vLLM hands to its worker process while the worker starts."""
+    try:
+        return stack.enter_context(vllm_server(model_dir, **options))
+    except VLLMServerError as exc:
+        progress(f"server failed to start ({str(exc).splitlines()[0]}); retrying once")
+        return stack.enter_context(vllm_server(model_dir, **options))
 
 
 def _set_footprint(report: MultiturnReport, tokens: int, sizing: Sizing) -> None:
@@ -259,12 +283,19 @@ def _method_config(
 
 
 def _run_point(
-    server: VLLMServer, method: str, workload: Workload, on_turn: Callable[[TurnRecord], None] | None
+    server: VLLMServer,
+    method: str,
+    workload: Workload,
+    on_turn: Callable[[TurnRecord], None] | None,
+    s3_pid: int | None,
 ) -> Point:
     before = server.metrics()
+    cpu_before = _cpu_times(server.process.pid, s3_pid)
     records = asyncio.run(replay(server.base_url, server.model, workload, on_turn))
+    cpu_after = _cpu_times(server.process.pid, s3_pid)
     time.sleep(1.5)  # the engine publishes its counters at the end of a step; let the last ones land
     after = server.metrics()
+    cpu = {k: round(v - cpu_before.get(k, 0.0), 2) for k, v in cpu_after.items()}
 
     def delta(name: str, **labels: str) -> float:
         return float(metric_total(after, name, **labels) - metric_total(before, name, **labels))
@@ -302,7 +333,42 @@ def _run_point(
             served["disk"] / beyond_cpu if beyond_cpu > 0 and method in _STORAGE_METHODS else None
         ),
         kvstore_chunks=chunks if method == "cpu+ours" else {},
+        cpu_s=dict(sorted(((k, v) for k, v in cpu.items() if v >= 0.05), key=lambda kv: -kv[1])),
     )
+
+
+def _cpu_times(pgid: int, s3_pid: int | None) -> dict[str, float]:
+    """CPU seconds so far of every thread in process group `pgid`, summed by process and thread name."""
+    tick = float(os.sysconf("SC_CLK_TCK"))
+    out: dict[str, float] = {}
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        stat = _proc_stat(f"/proc/{pid}/stat")
+        if stat is None:
+            continue
+        comm, fields = stat
+        if int(pid) == s3_pid:
+            out["s3-server"] = (int(fields[11]) + int(fields[12])) / tick
+            continue
+        if int(fields[2]) != pgid:  # fields[2]: process group
+            continue
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                thread = _proc_stat(f"/proc/{pid}/task/{tid}/stat")
+                if thread is not None:
+                    key = f"{comm}/{re.sub(r'[-_:.]?[0-9]+$', '', thread[0])}"
+                    out[key] = out.get(key, 0.0) + (int(thread[1][11]) + int(thread[1][12])) / tick
+    return out
+
+
+def _proc_stat(path: str) -> tuple[str, list[str]] | None:
+    """(comm, fields after comm) of a /proc stat file; None if the process is gone."""
+    try:
+        with open(path) as f:
+            raw = f.read()
+    except OSError:
+        return None
+    comm = raw[raw.index("(") + 1 : raw.rindex(")")]
+    return comm, raw[raw.rindex(")") + 2 :].split()
 
 
 def _cold_tokens(records: list[TurnRecord]) -> int:
@@ -330,6 +396,13 @@ def model_kv_bytes_per_token(model_dir: Path, dtype_bytes: int | None = None) ->
     if dtype_bytes is None:
         dtype_bytes = 4 if str(config.get("torch_dtype", "bfloat16")) == "float32" else 2
     return int(config["num_hidden_layers"]) * 2 * kv_heads * head_dim * dtype_bytes
+
+
+def load_report(path: Path) -> MultiturnReport:
+    """A report back from its JSON file (to re-plot it)."""
+    raw = json.loads(path.read_text())
+    points = [Point(**p) for p in raw.pop("points")]
+    return MultiturnReport(**raw, points=points)
 
 
 def write_outputs(report: MultiturnReport, out_dir: Path, title: str) -> tuple[Path, Path]:
@@ -370,7 +443,7 @@ def plot_report(report: MultiturnReport, path: Path, title: str) -> None:
     top.set_ylabel("prompt tokens/s (cache hits included)")
     top.set_ylim(bottom=0)
     top.legend()
-    top.set_title(title, fontsize=10)
+    top.set_title(textwrap.fill(title, 90), fontsize=10)
     bottom.set_ylabel("mean TTFT (s)")
     bottom.set_xlabel("concurrent conversations")
     bottom.set_ylim(bottom=0)

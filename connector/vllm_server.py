@@ -63,7 +63,7 @@ class VLLMServer:
         response.raise_for_status()
         return parse_metrics(response.text)
 
-    def log_tail(self, n: int = 6000) -> str:
+    def log_tail(self, n: int = 12000) -> str:
         return _tail(self.log_path, n)
 
 

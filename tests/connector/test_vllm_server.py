@@ -16,7 +16,7 @@ from kvstore.connector.vllm_server import VLLMServerError, metric_total, shm_in_
 pytestmark = pytest.mark.vllm
 
 _ARGS = [
-    "--dtype", "bfloat16", "--enforce-eager", "--distributed-executor-backend", "uni",
+    "--dtype", "bfloat16", "--enforce-eager",
     "--max-model-len", "1024", "--kv-cache-memory-bytes", str(8 * 2**20), "--max-num-seqs", "2",
 ]  # fmt: skip
 _VLLM_SHM = ("vllm", "psm_", "torch_", "sem.mp-", "wrk_")
