@@ -34,7 +34,7 @@ from typing import Any
 
 from kvstore.connector.configs import cpu_tiering_config
 from kvstore.connector.multiturn import TurnRecord, Workload, replay
-from kvstore.connector.vllm_server import VLLMServer, VLLMServerError, metric_total, vllm_server
+from kvstore.connector.vllm_server import VLLMServer, metric_total, vllm_server
 
 __all__ = [
     "METHODS",
@@ -198,16 +198,13 @@ def run_multiturn(
         for method in methods:
             config, env = _method_config(method, sizing, store, root)
             progress(f"{method}: starting a fresh vLLM server")
-            with contextlib.ExitStack() as stack:
-                server = _start_server(
-                    stack,
-                    progress,
-                    model_dir,
-                    kv_transfer_config=config,
-                    env=env,
-                    extra_args=sizing.server_args(),
-                    log_path=root / f"server-{method.replace('+', '-')}.log",
-                )
+            with vllm_server(
+                model_dir,
+                kv_transfer_config=config,
+                env=env,
+                extra_args=sizing.server_args(),
+                log_path=root / f"server-{method.replace('+', '-')}.log",
+            ) as server:
                 # First requests after start pay one-off costs (allocations, warm-up paths): not measured.
                 asyncio.run(replay(server.base_url, server.model, _warmup(workload)))
                 for index, n in enumerate(conversations):
@@ -227,18 +224,6 @@ def run_multiturn(
         return report
     finally:
         shutil.rmtree(root, ignore_errors=True)
-
-
-def _start_server(
-    stack: contextlib.ExitStack, progress: Callable[[str], None], model_dir: Path, **options: Any
-) -> VLLMServer:
-    """A server that lives as long as `stack`; one retry: on a shared machine another process's cleanup of
-    /dev/shm can delete the semaphore vLLM hands to its worker process while the worker starts."""
-    try:
-        return stack.enter_context(vllm_server(model_dir, **options))
-    except VLLMServerError as exc:
-        progress(f"server failed to start ({str(exc).splitlines()[0]}); retrying once")
-        return stack.enter_context(vllm_server(model_dir, **options))
 
 
 def _set_footprint(report: MultiturnReport, tokens: int, sizing: Sizing) -> None:

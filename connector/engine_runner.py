@@ -34,7 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineError", "EngineRun", "RequestResult", "remove_new_shm", "run_engine", "shm_snapshot"]
+__all__ = [
+    "EngineError",
+    "EngineRun",
+    "RequestResult",
+    "remove_new_shm",
+    "run_engine",
+    "shm_in_use",
+    "shm_snapshot",
+]
 
 SHM = Path("/dev/shm")
 
@@ -242,11 +250,11 @@ def remove_new_shm(before: set[str]) -> None:
     candidates = [name for name in shm_snapshot() - before if name.startswith(prefixes)]
     if not candidates:
         return
-    in_use = _shm_in_use()
+    in_use = shm_in_use()
     for name in candidates:
-        path = SHM / name
-        if str(path) in in_use:
+        if name in in_use:
             continue
+        path = SHM / name
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         else:
@@ -254,23 +262,26 @@ def remove_new_shm(before: set[str]) -> None:
                 path.unlink()
 
 
-def _shm_in_use() -> set[str]:
-    """/dev/shm paths that any process maps or has open (what /proc lets us see)."""
-    used: set[str] = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+def shm_in_use() -> set[str]:
+    """Names in /dev/shm that some live process maps or has open. Matched by inode: a POSIX semaphore is
+    mapped under the temporary name it was created with, then linked to its real name."""
+    inodes: set[int] = set()
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith(str(SHM)):
+                    inodes.add(int(fields[4]))
         with contextlib.suppress(OSError):
-            for line in (proc / "maps").read_text().splitlines():
-                path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-                if path.startswith("/dev/shm/"):
-                    used.add(path.removesuffix(" (deleted)"))
-        with contextlib.suppress(OSError):
-            for fd in (proc / "fd").iterdir():
+            for fd in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
-                    target = os.readlink(fd)
-                    if target.startswith("/dev/shm/"):
-                        used.add(target)
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(str(SHM)):
+                        inodes.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+    used: set[str] = set()
+    for name in shm_snapshot():
+        with contextlib.suppress(OSError):
+            if os.stat(SHM / name, follow_symlinks=False).st_ino in inodes:
+                used.add(name)
     return used
 
 

@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from kvstore.connector.engine_runner import SHM, remove_new_shm, shm_snapshot
+from kvstore.connector.engine_runner import remove_new_shm, shm_snapshot
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["VLLMServer", "VLLMServerError", "metric_total", "parse_metrics", "shm_in_use", "vllm_server"]
+__all__ = ["VLLMServer", "VLLMServerError", "metric_total", "parse_metrics", "vllm_server"]
 
 _ENTRY_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 # Flags every server gets: usage details (cached tokens) in responses, no per-request access log noise.
@@ -159,9 +159,7 @@ def vllm_server(
     finally:
         if proc is not None:
             _stop_group(proc)
-        # New entries that a live process still maps or holds open belong to someone else (another engine
-        # started meanwhile): deleting its semaphores would break it. Ours are unused once the group is gone.
-        remove_new_shm(shm_before | shm_in_use())
+        remove_new_shm(shm_before)  # leaves entries another live engine still uses
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -207,29 +205,6 @@ def _group_alive(pgid: int) -> bool:
     except (ProcessLookupError, PermissionError):
         return False
     return True
-
-
-def shm_in_use() -> set[str]:
-    """Names in /dev/shm that some live process maps or has open. Matched by inode: a POSIX semaphore is
-    mapped under the temporary name it was created with, then linked to its real name."""
-    inodes: set[int] = set()
-    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[5].startswith(str(SHM)):
-                    inodes.add(int(fields[4]))
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(str(SHM)):
-                        inodes.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
-    used: set[str] = set()
-    for name in shm_snapshot():
-        with contextlib.suppress(OSError):
-            if os.stat(SHM / name, follow_symlinks=False).st_ino in inodes:
-                used.add(name)
-    return used
 
 
 def _die_with_parent() -> None:
