@@ -28,7 +28,7 @@ import functools
 import os
 import struct
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import ParamSpec, TypeVar
 
@@ -282,34 +282,46 @@ class CacheIndex:
 
     # -- writes ------------------------------------------------------------------------------------------
 
-    @_translate
     def admit(self, key: str, entry: Entry, budget: int, touches: Mapping[str, int]) -> Admission:
         """In ONE write transaction: apply buffered touches, insert ``entry`` and evict LRU victims until
         usage <= budget. Not admitted (nothing inserted, nothing evicted) when the key is already present or
         the unpinned entries cannot free enough space. Eviction costs O(victims): every entry is evicted at
         most once per admission, so the work is amortised O(1) per put."""
-        k = encode_key(key)
+        return self.admit_many([(key, entry)], budget, touches)[0]
+
+    @_translate
+    def admit_many(
+        self, items: Sequence[tuple[str, Entry]], budget: int, touches: Mapping[str, int]
+    ) -> list[Admission]:
+        """`admit` for several entries, in order, in ONE write transaction: one commit (and with `sync`, one
+        fsync) for a whole batch instead of one per chunk. A later entry may evict an earlier one of the same
+        batch when the budget is that small; its victims say so."""
         s = self._db()
         with s.env.begin(write=True) as txn:
             self._apply_touches(txn, s, touches)
-            if txn.get(k, db=s.entries) is not None:
+            return [self._admit_one(txn, s, encode_key(key), entry, budget) for key, entry in items]
+
+    def _admit_one(
+        self, txn: lmdb.Transaction[bytes], s: _Shared, k: bytes, entry: Entry, budget: int
+    ) -> Admission:
+        if txn.get(k, db=s.entries) is not None:
+            return Admission(False)
+        used, count = self._counters(txn, s)
+        need = used + entry.size - budget
+        victims: list[tuple[bytes, Entry]] = []
+        if need > 0:
+            victims = self._pick_victims(txn, s, need)
+            if sum(v.size for _, v in victims) < need:
                 return Admission(False)
-            used, count = self._counters(txn, s)
-            need = used + entry.size - budget
-            victims: list[tuple[bytes, Entry]] = []
-            if need > 0:
-                victims = self._pick_victims(txn, s, need)
-                if sum(v.size for _, v in victims) < need:
-                    return Admission(False)
-            for vk, ve in victims:
-                txn.delete(vk, db=s.entries)
-                txn.delete(_lru_key(ve.last_access_ns, vk), db=s.lru)
-                used -= ve.size
-                count -= 1
-            txn.put(k, entry.pack(), db=s.entries)
-            if txn.get(k, db=s.pins) is None:
-                txn.put(_lru_key(entry.last_access_ns, k), b"", db=s.lru)
-            self._set_counters(txn, s, used + entry.size, count + 1)
+        for vk, ve in victims:
+            txn.delete(vk, db=s.entries)
+            txn.delete(_lru_key(ve.last_access_ns, vk), db=s.lru)
+            used -= ve.size
+            count -= 1
+        txn.put(k, entry.pack(), db=s.entries)
+        if txn.get(k, db=s.pins) is None:
+            txn.put(_lru_key(entry.last_access_ns, k), b"", db=s.lru)
+        self._set_counters(txn, s, used + entry.size, count + 1)
         return Admission(True, tuple((vk.decode(), ve) for vk, ve in victims))
 
     def _pick_victims(self, txn: lmdb.Transaction[bytes], s: _Shared, need: int) -> list[tuple[bytes, Entry]]:

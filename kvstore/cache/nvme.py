@@ -28,11 +28,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
-import xxhash
-
 from kvstore.cache.files import ChunkFiles, new_token
 from kvstore.cache.fsck import FsckReport, check
 from kvstore.cache.index import DEFAULT_MAP_SIZE, CacheIndex, Entry, encode_key
+from kvstore.chunk import checksum
 from kvstore.errors import CacheError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -99,31 +98,47 @@ class NVMeCache:
     def put(self, key: str, blob: bytes | memoryview) -> bool:
         """Admit ``blob`` under ``key``. False when the key is already cached, the blob exceeds the budget,
         or the space cannot be freed because the rest is pinned. Raises CacheError on I/O failure."""
-        encode_key(key)
-        size = memoryview(blob).nbytes
-        if size > self.budget_bytes or self._index.get(key) is not None:
-            return False  # cheap early exits before any bytes are written
-        token = new_token()
-        entry = Entry(
-            size=size, checksum=xxhash.xxh3_128_digest(blob), last_access_ns=time.time_ns(), token=token
-        )
+        return self.put_many([(key, blob)])[0]
+
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> list[bool]:
+        """`put` for several blobs: their files first, then ONE index transaction for all of them (a store
+        job's chunks cost one commit, not one each). Per item, whether it was admitted."""
+        for key, _ in items:
+            encode_key(key)
+        present = self._index.get_many([key for key, _ in items])
+        written: list[tuple[int, str, Entry]] = []  # (item index, key, entry) of files now on disk
         try:
-            self._files.write(key, token, blob)
-        except OSError as exc:
-            raise CacheError(f"cannot write chunk file in {self.directory!r}: {exc}") from exc
-        try:
-            admission = self._index.admit(key, entry, self.budget_bytes, self._take_touches())
-        except BaseException:
-            self._files.unlink(key, token)
+            for i, ((key, blob), known) in enumerate(zip(items, present, strict=True)):
+                size = memoryview(blob).nbytes
+                if size > self.budget_bytes or known is not None:
+                    continue  # cheap early exits before any bytes are written
+                entry = Entry(
+                    size=size, checksum=checksum(blob), last_access_ns=time.time_ns(), token=new_token()
+                )
+                self._files.write(key, entry.token, blob)
+                written.append((i, key, entry))
+            admissions = self._index.admit_many(
+                [(key, entry) for _, key, entry in written], self.budget_bytes, self._take_touches()
+            )
+        except BaseException as exc:
+            for _, key, entry in written:
+                self._files.unlink(key, entry.token)
+            if isinstance(exc, OSError):
+                raise CacheError(f"cannot write chunk file in {self.directory!r}: {exc}") from exc
             raise
-        if not admission.admitted:
-            # Lost a race with another process admitting the same key, or no room: our file is nobody's.
-            self._files.unlink(key, token)
-            return False
-        for vkey, ventry in admission.victims:
-            self._files.unlink(vkey, ventry.token)
-        self._record_removed([vkey for vkey, _ in admission.victims])
-        return True
+        admitted = [False] * len(items)
+        removed: list[str] = []
+        for (i, key, entry), admission in zip(written, admissions, strict=True):
+            if admission.admitted:
+                admitted[i] = True
+            else:
+                # Lost a race with another process admitting the same key, or no room: our file is nobody's.
+                self._files.unlink(key, entry.token)
+            for vkey, ventry in admission.victims:
+                self._files.unlink(vkey, ventry.token)
+                removed.append(vkey)
+        self._record_removed(removed)
+        return admitted
 
     # -- lookups -----------------------------------------------------------------------------------------
 

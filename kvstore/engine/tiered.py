@@ -457,7 +457,7 @@ class TieredStore:
 
         def run() -> None:
             try:
-                self._write_nvme(key, blob)
+                self._write_nvme([(key, blob)])
             finally:
                 with self._lock:
                     self._admitting.discard(key)
@@ -470,8 +470,9 @@ class TieredStore:
     def store_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> StoreOutcome:
         """Write chunks to NVMe now and queue them for upload. Returns once the caller's buffers may be
         reused (every byte needed later has been copied)."""
-        written = queued = skipped = dropped = 0
+        queued = skipped = dropped = 0
         in_cache = self.cache.contains_many([k for k, _ in items]) if self.cache is not None else None
+        fresh: list[tuple[str, bytes]] = []
         for i, (key, raw) in enumerate(items):
             cached = in_cache[i] if in_cache is not None else False
             remote = self._answers.get(key) is Presence.REMOTE
@@ -479,8 +480,7 @@ class TieredStore:
                 skipped += 1
                 continue
             blob = encode(raw, self.codec, element_width=self.element_width)
-            if self.cache is not None and self._write_nvme(key, blob):
-                written += 1
+            fresh.append((key, blob))
             if self.store is None:
                 continue
             if not self._store_available():
@@ -492,22 +492,26 @@ class TieredStore:
             else:
                 self.metrics.stores_dropped.labels("queue_full").inc()
                 dropped += 1
+        written = sum(self._write_nvme(fresh)) if self.cache is not None and fresh else 0
         return StoreOutcome(written=written, queued=queued, skipped=skipped, dropped=dropped)
 
-    def _write_nvme(self, key: str, blob: bytes) -> bool:
+    def _write_nvme(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+        """Admit chunks to NVMe as one batch (one index commit); per chunk, whether it was admitted."""
         assert self.cache is not None
         start = time.perf_counter()
         try:
-            admitted = self.cache.put(key, blob)
+            admitted = self.cache.put_many(items)
         except (OSError, KVStoreError) as exc:
-            log.warning("NVMe write of %s failed: %s", key, exc)
+            log.warning("NVMe write of %d chunks failed: %s", len(items), exc)
             self.metrics.load_failures.labels("nvme").inc()
-            return False
-        if admitted:
-            self._answers.set(key, Presence.LOCAL)
-            self.metrics.write_seconds.labels("nvme").observe(time.perf_counter() - start)
-            self.metrics.write_bytes.labels("nvme").inc(len(blob))
-            self._emit(key, "nvme", removed=False)
+            return [False] * len(items)
+        per_chunk = (time.perf_counter() - start) / len(items)
+        for (key, blob), ok in zip(items, admitted, strict=True):
+            if ok:
+                self._answers.set(key, Presence.LOCAL)
+                self.metrics.write_seconds.labels("nvme").observe(per_chunk)
+                self.metrics.write_bytes.labels("nvme").inc(len(blob))
+                self._emit(key, "nvme", removed=False)
         evicted = self.cache.take_evicted()
         if evicted:
             self.metrics.evictions.inc(len(evicted))

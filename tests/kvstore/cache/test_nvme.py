@@ -74,6 +74,24 @@ def test_put_get_roundtrip(cache: NVMeCache) -> None:
     assert cache.usage() == CacheUsage(used_bytes=150, budget_bytes=10_000, entries=2, pinned_entries=0)
 
 
+def test_put_many_admits_a_batch_in_one_go(cache_dir: Path) -> None:
+    with NVMeCache(cache_dir, 350) as cache:
+        cache.put(k(0), blob(0))
+        # Already cached, fresh, a duplicate within the batch, too big for the budget, fresh again.
+        items = [(k(0), blob(0)), (k(1), blob(1)), (k(1), blob(1)), (k(2), blob(2, 400)), (k(3), blob(3))]
+        assert cache.put_many(items) == [False, True, False, False, True]
+        assert [cache.get(k(i)) for i in (0, 1, 3)] == [blob(0), blob(1), blob(3)]
+        assert cache.usage().used_bytes == 300
+        # A batch larger than the budget: later entries evict the oldest, earlier ones of the batch included.
+        assert cache.put_many([(k(i), blob(i)) for i in range(10, 15)]) == [True] * 5
+        assert sorted(cache.take_evicted()) == sorted([k(0), k(1), k(3), k(10), k(11)])
+        assert [cache.contains(k(i)) for i in range(10, 15)] == [False, False, True, True, True]
+        assert cache.usage().used_bytes == 300
+        # No file is left behind for anything that is not indexed.
+        files = {str(f) for f in cache_dir.rglob("*") if f.is_file() and f.suffix not in (".mdb", ".json")}
+        assert files == {c.path for c in cache.locate_many([k(i) for i in range(12, 15)]) if c}
+
+
 def test_empty_blob(cache: NVMeCache) -> None:
     assert cache.put(k(1), b"")
     assert cache.get(k(1)) == b""
