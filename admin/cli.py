@@ -103,9 +103,7 @@ def serve(
 def demo(
     conversations: Annotated[int, typer.Option(min=1, help="Conversations in the replay")] = 6,
     turns: Annotated[int, typer.Option(min=2, help="Turns per conversation")] = 3,
-    hold: Annotated[
-        bool, typer.Option(help="Keep everything running after the report, until Ctrl-C")
-    ] = True,
+    hold: Annotated[bool, typer.Option(help="Keep everything running after the report, until Ctrl-C")] = True,
 ) -> None:
     """Start S3 (embedded), the admin service and vLLM with our tier; replay a multi-turn chat; report."""
     from kvstore.admin.demo_view import show_demo

@@ -259,4 +259,3 @@ def _read_counts(report: DemoReport, before: dict[str, float], after: dict[str, 
         )
         for tier in ("nvme", "object")
     }
-

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
+
 def get_located(store: ObjectStore, key: str) -> tuple[bytes | None, str | None]:
     """`store.get(key)` plus the name of the region that answered (None for a single-region store)."""
     if isinstance(store, RegionalStore):
