@@ -110,7 +110,7 @@ class KVStoreTier(SecondaryTierManager):
         # back from a read waits up to Python's switch interval (5 ms) for it: a load of 50 chunks could
         # spend most of its time queueing for the GIL. A short interval while jobs are in flight bounds each
         # hand-off; the process's own interval is restored when none are. 0 leaves it alone.
-        self._fast_switch = float(options.get("gil_switch_interval_s", 0.0002))
+        self._fast_switch = float(options.get("gil_switch_interval_s", 0.00002))
         if self._fast_switch < 0:
             raise ConfigError("KVStoreTier: gil_switch_interval_s must be >= 0")
         self._normal_switch = sys.getswitchinterval()

@@ -172,7 +172,7 @@ def test_gil_switch_interval_is_short_only_while_jobs_are_in_flight(node: Standa
     tier = node.tier
     node.fill(0, data(0))
     tier.submit_store(job(1, [okey(0)], [0], promotion=False))
-    assert sys.getswitchinterval() == pytest.approx(0.0002)
+    assert sys.getswitchinterval() == pytest.approx(0.00002)
     wait_jobs(tier, {1})
     assert sys.getswitchinterval() == pytest.approx(normal)
 
