@@ -448,9 +448,9 @@ def bench_vllm(
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            for interval in (0.0, 0.02):
+            for interval, loads in ((0.0, True), (0.02, True), (0.02, False)):
                 report.scheduler.append(
-                    bench_scheduler(store_url, endpoint, steps=steps, step_interval_s=interval)
+                    bench_scheduler(store_url, endpoint, steps=steps, step_interval_s=interval, loads=loads)
                 )
         finally:
             for k, v in saved.items():
@@ -481,8 +481,9 @@ def bench_vllm(
     console.print(table)
     for s in report.scheduler:
         pacing = f"{s.step_interval_ms:.0f} ms between steps" if s.step_interval_ms else "steps back to back"
+        work = "stores and loads" if s.loads_every_step else "stores only"
         console.print(
-            f"scheduler thread ({pacing}): {s.mean_ms_per_step:.3f} ms/step mean, "
+            f"scheduler thread ({pacing}, {work}): {s.mean_ms_per_step:.3f} ms/step mean, "
             f"{s.p99_ms_per_step:.3f} ms p99 over {s.steps} steps, "
             f"up to {s.max_in_flight_chunks} chunks in flight"
         )

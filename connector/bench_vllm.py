@@ -42,6 +42,7 @@ class TTFTRow:
 @dataclass
 class SchedulerCost:
     step_interval_ms: float
+    loads_every_step: bool
     steps: int
     max_in_flight_chunks: int
     mean_ms_per_step: float
@@ -132,12 +133,14 @@ def bench_scheduler(
     steps: int = 200,
     chunk_kib: int = 256,
     step_interval_s: float = 0.0,
+    loads: bool = True,
 ) -> SchedulerCost:
     """Per-step time of every scheduler-thread call into the tier, with 1000+ chunks in flight.
 
     `step_interval_s` stands for the model's forward pass between scheduler steps (which releases the
     GIL); 0 runs steps back to back, the worst case, where the tier's own I/O threads compete with the
-    scheduler thread for the GIL all the time.
+    scheduler thread for the GIL all the time. Every step stores 32 chunks and, with `loads`, also loads
+    32 (requests waiting for loads all the time: the tier then shortens the GIL switch interval).
     """
     from kvstore.connector.standalone import standalone_tier
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
@@ -172,7 +175,7 @@ def bench_scheduler(
             job_id += 1
             ids = np.arange(32, dtype=np.int64) + (step * 32) % (slots // 2)
             tier.submit_store(TransferJob(job_id, new_keys, ids, False, req))
-            if stored:
+            if stored and loads:
                 job_id += 1
                 load_keys = stored[-32:]
                 tier.submit_load(TransferJob(job_id, load_keys, ids + slots // 2, True, req))
@@ -192,6 +195,7 @@ def bench_scheduler(
     ordered = sorted(per_step)
     return SchedulerCost(
         step_interval_ms=step_interval_s * 1e3,
+        loads_every_step=loads,
         steps=steps,
         max_in_flight_chunks=max_in_flight,
         mean_ms_per_step=statistics.mean(per_step) * 1e3,

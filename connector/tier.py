@@ -106,13 +106,15 @@ class KVStoreTier(SecondaryTierManager):
         if not settings.store_url:
             raise ConfigError("KVStoreTier: store_url is required (or set KVSTORE_STORE_URL)")
         self.locality = Locality(options["locality"]) if options.get("locality") else Locality.LOCAL
-        # While jobs run, vLLM's engine loop spins on the GIL waiting for them, and each of our threads coming
-        # back from a read waits up to Python's switch interval (5 ms) for it: a load of 50 chunks could
-        # spend most of its time queueing for the GIL. A short interval while jobs are in flight bounds each
-        # hand-off; the process's own interval is restored when none are. 0 leaves it alone.
+        # While a load runs, a request waits for it and vLLM's engine loop spins on the GIL; each of our
+        # threads coming back from a read then waits up to Python's switch interval (5 ms) for the GIL, so a
+        # load of 50 chunks could spend most of its time queueing. A short interval while loads are in
+        # flight bounds each hand-off; the process's own interval is restored when none are. Stores are
+        # write-behind and leave it alone: a short interval costs the scheduler thread preemptions. 0: off.
         self._fast_switch = float(options.get("gil_switch_interval_s", 0.00002))
         if self._fast_switch < 0:
             raise ConfigError("KVStoreTier: gil_switch_interval_s must be >= 0")
+        self._loads_in_flight: set[int] = set()  # job ids; scheduler thread only
         self._normal_switch = sys.getswitchinterval()
 
         mapper = FileMapper.from_offloading_spec(
@@ -206,6 +208,9 @@ class KVStoreTier(SecondaryTierManager):
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
+        if self._fast_switch and not self._loads_in_flight:
+            sys.setswitchinterval(self._fast_switch)
+        self._loads_in_flight.add(job_metadata.job_id)
         self._start_job(self._run_load, job_metadata)
 
     @override
@@ -214,8 +219,10 @@ class KVStoreTier(SecondaryTierManager):
         while self._finished:
             done.append(self._finished.popleft())
         self._reported += len(done)
-        if done and self._fast_switch and self._submitted == self._reported:  # nothing in flight any more
-            sys.setswitchinterval(self._normal_switch)
+        if self._loads_in_flight and done:
+            self._loads_in_flight.difference_update(result.job_id for result in done)
+            if self._fast_switch and not self._loads_in_flight:
+                sys.setswitchinterval(self._normal_switch)
         return done
 
     @override
@@ -267,8 +274,6 @@ class KVStoreTier(SecondaryTierManager):
     # ----------------------------------------------------------- job threads
 
     def _start_job(self, run: Callable[[TransferJob], JobResult], job: TransferJob) -> None:
-        if self._fast_switch and self._submitted == self._reported:  # first job in flight
-            sys.setswitchinterval(self._fast_switch)
         self._submitted += 1
         if self._closed:  # after shutdown: fail the job, still reported exactly once
             self._finish(JobResult(job_id=job.job_id, success=False))
