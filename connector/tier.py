@@ -106,15 +106,17 @@ class KVStoreTier(SecondaryTierManager):
         if not settings.store_url:
             raise ConfigError("KVStoreTier: store_url is required (or set KVSTORE_STORE_URL)")
         self.locality = Locality(options["locality"]) if options.get("locality") else Locality.LOCAL
-        # While a load runs, a request waits for it and vLLM's engine loop spins on the GIL; each of our
-        # threads coming back from a read then waits up to Python's switch interval (5 ms) for the GIL, so a
-        # load of 50 chunks could spend most of its time queueing. A short interval while loads are in
-        # flight bounds each hand-off; the process's own interval is restored when none are. Stores are
-        # write-behind and leave it alone: a short interval costs the scheduler thread preemptions. 0: off.
+        # While a request waits on us (a load, or a probe after a RETRY), vLLM's engine loop spins on the GIL,
+        # and each of our threads coming back from a read or an index lookup waits up to Python's switch
+        # interval (5 ms) for it: a load of 50 chunks could spend most of its time queueing. A short interval
+        # while such work is pending bounds each hand-off; the process's own interval is restored when none
+        # is. Stores are write-behind and leave it alone: a short interval costs the scheduler thread
+        # preemptions. 0: off.
         self._fast_switch = float(options.get("gil_switch_interval_s", 0.00002))
         if self._fast_switch < 0:
             raise ConfigError("KVStoreTier: gil_switch_interval_s must be >= 0")
         self._loads_in_flight: set[int] = set()  # job ids; scheduler thread only
+        self._switched = False
         self._normal_switch = sys.getswitchinterval()
 
         mapper = FileMapper.from_offloading_spec(
@@ -187,6 +189,7 @@ class KVStoreTier(SecondaryTierManager):
         if self._unprobed:
             batch, self._unprobed = self._unprobed, []
             self._engine.probe_async(batch)
+            self._update_switch_interval()
 
     @override
     def has_pending_work(self) -> bool:
@@ -208,9 +211,8 @@ class KVStoreTier(SecondaryTierManager):
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
-        if self._fast_switch and not self._loads_in_flight:
-            sys.setswitchinterval(self._fast_switch)
         self._loads_in_flight.add(job_metadata.job_id)
+        self._update_switch_interval()
         self._start_job(self._run_load, job_metadata)
 
     @override
@@ -221,8 +223,7 @@ class KVStoreTier(SecondaryTierManager):
         self._reported += len(done)
         if self._loads_in_flight and done:
             self._loads_in_flight.difference_update(result.job_id for result in done)
-            if self._fast_switch and not self._loads_in_flight:
-                sys.setswitchinterval(self._normal_switch)
+        self._update_switch_interval()
         return done
 
     @override
@@ -242,7 +243,7 @@ class KVStoreTier(SecondaryTierManager):
     def shutdown(self) -> None:
         self.drain_jobs()
         self._closed = True
-        if self._fast_switch:
+        if self._switched:
             sys.setswitchinterval(self._normal_switch)
         for _ in self._workers:
             self._jobs.put(None)
@@ -272,6 +273,13 @@ class KVStoreTier(SecondaryTierManager):
         return stats
 
     # ----------------------------------------------------------- job threads
+
+    def _update_switch_interval(self) -> None:
+        """Short GIL switch interval exactly while a request waits on a load or a probe (scheduler thread)."""
+        urgent = bool(self._loads_in_flight) or self._engine.probes_in_flight > 0
+        if self._fast_switch and urgent != self._switched:
+            sys.setswitchinterval(self._fast_switch if urgent else self._normal_switch)
+            self._switched = urgent
 
     def _start_job(self, run: Callable[[TransferJob], JobResult], job: TransferJob) -> None:
         self._submitted += 1

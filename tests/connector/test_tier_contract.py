@@ -167,7 +167,7 @@ def test_drain_waits_for_every_job(node: StandaloneTier) -> None:
     assert list(tier.get_finished_jobs()) == []
 
 
-def test_gil_switch_interval_is_short_only_while_loads_are_in_flight(node: StandaloneTier) -> None:
+def test_gil_switch_interval_is_short_only_while_a_request_waits_on_the_tier(node: StandaloneTier) -> None:
     normal = sys.getswitchinterval()
     tier = node.tier
     node.fill(0, data(0))
@@ -177,6 +177,15 @@ def test_gil_switch_interval_is_short_only_while_loads_are_in_flight(node: Stand
     tier.submit_load(job(2, [okey(0)], [1], promotion=True))
     assert sys.getswitchinterval() == pytest.approx(0.00002)
     assert wait_jobs(tier, {2})[2].success
+    assert sys.getswitchinterval() == pytest.approx(normal)
+    # A request that got RETRY waits on a probe: short too, until the probe is answered.
+    assert tier.lookup(okey(99), REQ) is LookupResult.RETRY
+    tier.on_schedule_end(None)  # type: ignore[arg-type]
+    assert sys.getswitchinterval() == pytest.approx(0.00002)
+    deadline = time.monotonic() + 30
+    while tier.lookup(okey(99), REQ) is LookupResult.RETRY and time.monotonic() < deadline:
+        time.sleep(0.01)
+    list(tier.get_finished_jobs())
     assert sys.getswitchinterval() == pytest.approx(normal)
 
 
