@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.events import open_publisher
-from kvstore.pins import pinned_keys
+from kvstore.pins import PinSyncLoop, pinned_keys
 from kvstore.runtime import Node
 
 
@@ -37,7 +37,12 @@ def create_app(node: Node) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # Pins made elsewhere (another node, the CLI) reach this node's cache within `pin_sync_s`.
+        interval = node.settings.pin_sync_s
+        pin_sync = PinSyncLoop(node.cache, node.store, interval) if interval else None
         yield
+        if pin_sync is not None:
+            pin_sync.stop()
         if publisher is not None:
             publisher.close()
 

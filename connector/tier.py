@@ -48,6 +48,7 @@ from kvstore.engine import ChunkEvent, Presence
 from kvstore.errors import ConfigError, StoreError
 from kvstore.keys import Namespace, chunk_key_to_offload_key
 from kvstore.metrics import EngineMetrics
+from kvstore.pins import PinSyncLoop
 from kvstore.runtime import Node, open_node
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ _SETTINGS_OPTIONS = {
     "probe_hit_ttl_s",
     "probe_miss_ttl_s",
     "outage_cooldown_s",
+    "pin_sync_s",
     "region",
     "remote_timeout_s",
     "remote_cooldown_s",
@@ -130,6 +132,9 @@ class KVStoreTier(SecondaryTierManager):
         # A registry of our own: the engine process may not export the global one, and tests run several.
         self._node: Node = open_node(settings, metrics=EngineMetrics(CollectorRegistry()), check_store=False)
         self._engine = self._node.engine
+        # Pins made anywhere in the fleet reach this node's cache (and stay out of its eviction).
+        node, interval = self._node, settings.pin_sync_s
+        self._pin_sync = PinSyncLoop(node.cache, node.store, interval) if interval else None
         self._slots = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view
         # Jobs go through a SimpleQueue (a lock-free put) to our own threads: ThreadPoolExecutor.submit
         # takes locks that its workers contend for, and each contended lock can cost the scheduler a GIL
@@ -251,6 +256,8 @@ class KVStoreTier(SecondaryTierManager):
             worker.join()
         if self._access is not None:
             self._access.close()
+        if self._pin_sync is not None:
+            self._pin_sync.stop()
         report = self._engine.close(flush=True, timeout=10.0)
         if report.not_uploaded:
             log.warning("KVStoreTier: %d chunks were not uploaded before shutdown", len(report.not_uploaded))

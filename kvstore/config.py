@@ -164,6 +164,9 @@ class Settings(BaseSettings):
     probe_hit_ttl_s: float = 600.0
     probe_miss_ttl_s: float = 2.0
     outage_cooldown_s: float = 5.0
+    # How often a node re-reads the bucket's pin manifests into its cache (the tier and the admin service
+    # do); 0 turns the periodic sync off.
+    pin_sync_s: float = 60.0
 
     # Remote regions: a deadline per read, a cooldown after a failure, their own threads, a copy budget.
     remote_timeout_s: float = 1.5
@@ -193,6 +196,13 @@ class Settings(BaseSettings):
         if isinstance(value, list | tuple):
             return _store_specs(value)
         raise ValueError("expected a store URL or a list of stores (URL strings or tables with 'url')")
+
+    @field_validator("pin_sync_s")
+    @classmethod
+    def _not_negative(cls, value: float) -> float:
+        if value < 0:
+            raise ValueError("must be >= 0 (0 turns it off)")
+        return value
 
     @field_validator("remote_timeout_s", "remote_cooldown_s")
     @classmethod

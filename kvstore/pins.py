@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ __all__ = [
     "PinManifest",
     "PinNotFound",
     "PinSync",
+    "PinSyncLoop",
     "apply_pins",
     "create_pin",
     "delete_pin",
@@ -248,6 +250,30 @@ def apply_pins(cache: NVMeCache, store: ObjectStore) -> PinSync:
         if to_pin or to_unpin or not (directory / _APPLIED_FILE).exists():
             _save_applied(directory / _APPLIED_FILE, desired)
     return PinSync(pinned=len(to_pin), unpinned=len(to_unpin), total=len(desired))
+
+
+class PinSyncLoop:
+    """`apply_pins` every `interval_s` on a daemon thread, so a pin created anywhere (another node's admin
+    service, the CLI) reaches this node's cache within one interval. Failures are logged and retried."""
+
+    def __init__(self, cache: NVMeCache, store: ObjectStore, interval_s: float = 60.0) -> None:
+        self._cache, self._store, self._interval = cache, store, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvstore-pin-sync", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                apply_pins(self._cache, self._store)
+            except KVStoreError as exc:
+                log.warning("pin sync failed (retrying in %.0f s): %s", self._interval, exc)
+            if self._stop.wait(self._interval):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _load_applied(path: Path) -> set[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +17,7 @@ from kvstore.pins import (
     NamespaceNotFound,
     PinExists,
     PinNotFound,
+    PinSyncLoop,
     apply_pins,
     create_pin,
     delete_pin,
@@ -119,6 +120,26 @@ def test_apply_pins_syncs_node(s3_store: ObjectStore, cache: NVMeCache) -> None:
     assert cache.put(b[1], blob)
     assert cache.put("other/k.bin", blob)
     assert cache.contains(a[0]) and not cache.contains(b[1])
+
+
+def _until(condition: Callable[[], bool], bound_s: float = 30.0) -> bool:
+    """Poll `condition()` until true; the bound only ends a broken run (this is not a timing check)."""
+    deadline = time.monotonic() + bound_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_pin_sync_loop_follows_the_bucket(s3_store: ObjectStore, cache: NVMeCache) -> None:
+    keys = _keys(32)
+    loop = PinSyncLoop(cache, s3_store, interval_s=0.05)
+    try:
+        create_pin(s3_store, "made-elsewhere", NS, keys)
+        assert _until(lambda: all(cache.pinned(k) == 1 for k in keys))
+        delete_pin(s3_store, "made-elsewhere")
+        assert _until(lambda: all(cache.pinned(k) == 0 for k in keys))
+    finally:
+        loop.stop()
 
 
 def test_load_namespace(s3_store: ObjectStore) -> None:
