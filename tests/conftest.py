@@ -20,8 +20,12 @@ from typing import Any
 import pytest
 from minio import Minio
 from minio.deleteobjects import DeleteObject
+from prometheus_client import CollectorRegistry
 
+from kvstore.config import load_settings
 from kvstore.embedded import SeaweedServer
+from kvstore.metrics import EngineMetrics
+from kvstore.runtime import Node, open_node
 from kvstore.stores.s3 import S3Store
 
 
@@ -157,6 +161,32 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # A run that selects no tests (e.g. `-m vllm` on a machine without vLLM) is not a failure.
     if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
         session.exitstatus = pytest.ExitCode.OK
+
+
+@pytest.fixture
+def open_test_node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
+    """Opens real nodes (S3 store, NVMe cache under `tmp_path/cache` unless given, engine with metrics of its
+    own) on an S3 server of the fixtures; every node opened is closed when the test ends."""
+    opened: list[Node] = []
+
+    def open_(server: S3Server, store_url: str, **settings: Any) -> Node:
+        settings.setdefault("cache_dir", tmp_path / "cache")
+        node = open_node(
+            load_settings(
+                store_url=store_url,
+                s3_endpoint=server.endpoint,
+                access_key=server.access_key,
+                secret_key=server.secret_key,
+                **settings,
+            ),
+            metrics=EngineMetrics(CollectorRegistry()),
+        )
+        opened.append(node)
+        return node
+
+    yield open_
+    for node in reversed(opened):
+        node.close()
 
 
 class KVEventSubscriber:

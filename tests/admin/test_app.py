@@ -2,34 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from kvstore.admin.app import create_app
-from prometheus_client import CollectorRegistry
 
-from kvstore.config import load_settings
-from kvstore.metrics import EngineMetrics
-from kvstore.runtime import Node, open_node
+from kvstore.runtime import Node
 
 
 @pytest.fixture
-def node(private_s3_server: Any, private_s3_store: Any, tmp_path: Path) -> Iterator[Node]:
-    settings = load_settings(
-        store_url=f"s3://{private_s3_store.bucket}",
-        s3_endpoint=private_s3_server.endpoint,
-        access_key=private_s3_server.access_key,
-        secret_key=private_s3_server.secret_key,
-        cache_dir=tmp_path / "cache",
-        cache_bytes=10 << 20,
-        outage_cooldown_s=0.1,
+def node(private_s3_server: Any, private_s3_store: Any, open_test_node: Callable[..., Node]) -> Node:
+    return open_test_node(
+        private_s3_server, f"s3://{private_s3_store.bucket}", cache_bytes=10 << 20, outage_cooldown_s=0.1
     )
-    opened = open_node(settings, metrics=EngineMetrics(CollectorRegistry()))
-    yield opened
-    opened.close()
 
 
 def test_healthz_and_metrics(node: Node, private_s3_server: Any) -> None:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -13,14 +12,11 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from kvstore.admin.app import create_app
 from kvstore.admin.routes_gc import router
-from prometheus_client import CollectorRegistry
 
-from kvstore.config import load_settings
 from kvstore.keys import KVCacheGroup, Namespace, make_offload_key
 from kvstore.lease import Lease
-from kvstore.metrics import EngineMetrics
 from kvstore.pins import create_pin
-from kvstore.runtime import Node, open_node
+from kvstore.runtime import Node
 
 pytestmark = pytest.mark.integration
 
@@ -31,18 +27,8 @@ NS = Namespace(
 
 
 @pytest.fixture
-def node(s3_server: Any, s3_bucket: str, tmp_path: Path) -> Iterator[Node]:
-    settings = load_settings(
-        store_url=f"s3://{s3_bucket}",
-        s3_endpoint=s3_server.endpoint,
-        access_key=s3_server.access_key,
-        secret_key=s3_server.secret_key,
-        cache_dir=tmp_path / "cache",
-        cache_bytes=10 << 20,
-    )
-    opened = open_node(settings, metrics=EngineMetrics(CollectorRegistry()))
-    yield opened
-    opened.close()
+def node(s3_server: Any, s3_bucket: str, open_test_node: Callable[..., Node]) -> Node:
+    return open_test_node(s3_server, f"s3://{s3_bucket}", cache_bytes=10 << 20)
 
 
 def make_app(node: Node, token: str | None = None) -> FastAPI:
@@ -155,52 +141,39 @@ def test_job_fails_clearly_when_lease_taken_after_check(node: Node) -> None:
 
 
 def test_gc_publishes_block_removed_for_deleted_chunks_only(
-    s3_server: Any, s3_bucket: str, tmp_path: Path, kv_subscriber: Any
+    s3_server: Any, s3_bucket: str, kv_subscriber: Any, open_test_node: Callable[..., Node]
 ) -> None:
     from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
-    settings = load_settings(
-        store_url=f"s3://{s3_bucket}",
-        s3_endpoint=s3_server.endpoint,
-        access_key=s3_server.access_key,
-        secret_key=s3_server.secret_key,
-        cache_dir=tmp_path / "cache",
-        cache_bytes=10 << 20,
-        events_endpoint=kv_subscriber.endpoint,
-    )
-    node = open_node(settings, metrics=EngineMetrics(CollectorRegistry()))
-    try:
-        app = create_app(node)
-        client = TestClient(app)
-        hashes = {name: hashlib.sha256(name.encode()).digest() for name in ("old", "old1", "pinned", "young")}
-        keys = {
-            name: NS.chunk_key(make_offload_key(h, 1 if name == "old1" else 0)) for name, h in hashes.items()
-        }
-        for name in ("old", "old1", "pinned"):
-            node.store.put(keys[name], b"\x00" * 100)
-        create_pin(node.store, "sys", NS, [keys["pinned"]])
-        time.sleep(2.1)  # S3 times have one-second resolution; "young" must be younger than the grace below
-        node.store.put(keys["young"], b"\x00" * 100)
-        body = {"ttl_seconds": 0, "grace_seconds": 1.5}
+    url, events = f"s3://{s3_bucket}", kv_subscriber.endpoint
+    node = open_test_node(s3_server, url, cache_bytes=10 << 20, events_endpoint=events)
+    app = create_app(node)
+    client = TestClient(app)
+    hashes = {name: hashlib.sha256(name.encode()).digest() for name in ("old", "old1", "pinned", "young")}
+    keys = {name: NS.chunk_key(make_offload_key(h, 1 if name == "old1" else 0)) for name, h in hashes.items()}
+    for name in ("old", "old1", "pinned"):
+        node.store.put(keys[name], b"\x00" * 100)
+    create_pin(node.store, "sys", NS, [keys["pinned"]])
+    time.sleep(2.1)  # S3 times have one-second resolution; "young" must be younger than the grace below
+    node.store.put(keys["young"], b"\x00" * 100)
+    body = {"ttl_seconds": 0, "grace_seconds": 1.5}
 
-        dry = wait_job(client, client.post("/v1/gc", json={**body, "dry_run": True}).json()["id"])
-        assert dry["status"] == "done" and dry["result"]["deleted"] == 2
-        real = wait_job(client, client.post("/v1/gc", json=body).json()["id"])
-        result = real["result"]
-        assert (result["deleted"], result["kept_pinned"], result["kept_young"]) == (2, 1, 1)
+    dry = wait_job(client, client.post("/v1/gc", json={**body, "dry_run": True}).json()["id"])
+    assert dry["status"] == "done" and dry["result"]["deleted"] == 2
+    real = wait_job(client, client.post("/v1/gc", json=body).json()["id"])
+    result = real["result"]
+    assert (result["deleted"], result["kept_pinned"], result["kept_young"]) == (2, 1, 1)
 
-        # The first batch on the wire is the real run's: the dry run published nothing.
-        _, seq, batch = kv_subscriber.next()
-        assert seq == 0
-        removed = {event.group_idx: event.block_hashes for event in batch.events}
-        as_vllm = {name: maybe_convert_block_hash(BlockHash(h)) for name, h in hashes.items()}
-        assert removed == {0: [as_vllm["old"]], 1: [as_vllm["old1"]]}
-        assert {(e.medium, e.locality, e.ownership) for e in batch.events} == {
-            ("STORAGE", "REMOTE", "KVStoreTier")
-        }
-        # Nothing else was sent for this GC (kept chunks included): the next batch is this marker.
-        app.state.events.publish_removed([keys["young"]])
-        _, seq, marker = kv_subscriber.next()
-        assert seq == 1 and marker.events[0].block_hashes == [as_vllm["young"]]
-    finally:
-        node.close()
+    # The first batch on the wire is the real run's: the dry run published nothing.
+    _, seq, batch = kv_subscriber.next()
+    assert seq == 0
+    removed = {event.group_idx: event.block_hashes for event in batch.events}
+    as_vllm = {name: maybe_convert_block_hash(BlockHash(h)) for name, h in hashes.items()}
+    assert removed == {0: [as_vllm["old"]], 1: [as_vllm["old1"]]}
+    assert {(e.medium, e.locality, e.ownership) for e in batch.events} == {
+        ("STORAGE", "REMOTE", "KVStoreTier")
+    }
+    # Nothing else was sent for this GC (kept chunks included): the next batch is this marker.
+    app.state.events.publish_removed([keys["young"]])
+    _, seq, marker = kv_subscriber.next()
+    assert seq == 1 and marker.events[0].block_hashes == [as_vllm["young"]]

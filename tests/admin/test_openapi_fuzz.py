@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -21,14 +20,11 @@ from fastapi import FastAPI
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from kvstore.admin.app import create_app
-from prometheus_client import CollectorRegistry
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from kvstore.config import load_settings
 from kvstore.keys import KVCacheGroup, Namespace
-from kvstore.metrics import EngineMetrics
-from kvstore.runtime import Node, open_node
+from kvstore.runtime import Node
 
 pytestmark = pytest.mark.integration
 
@@ -42,21 +38,12 @@ NS = Namespace(
 
 
 @pytest.fixture
-def node(s3_server: Any, s3_store: Any, tmp_path: Path) -> Iterator[Node]:
-    settings_ = load_settings(
-        store_url=f"s3://{s3_store.bucket}/{s3_store.prefix}",
-        s3_endpoint=s3_server.endpoint,
-        access_key=s3_server.access_key,
-        secret_key=s3_server.secret_key,
-        cache_dir=tmp_path / "cache",
-        cache_bytes=4 << 20,
-        admin_token=TOKEN,
-    )
-    opened = open_node(settings_, metrics=EngineMetrics(CollectorRegistry()))
+def node(s3_server: Any, s3_store: Any, open_test_node: Callable[..., Node]) -> Node:
+    url = f"s3://{s3_store.bucket}/{s3_store.prefix}"
+    opened = open_test_node(s3_server, url, cache_bytes=4 << 20, admin_token=TOKEN)
     # A published namespace and a pin, so that reads and deletes sometimes find something.
     opened.store.put(NS.config_key, json.dumps(NS.fields()).encode())
-    yield opened
-    opened.close()
+    return opened
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,14 +12,11 @@ import pytest
 from fastapi.testclient import TestClient
 from kvstore.admin.app import create_app
 from kvstore.admin.routes_pins import router
-from prometheus_client import CollectorRegistry
 
 from kvstore.chunk import decode
-from kvstore.config import load_settings
 from kvstore.hashing import chunk_keys
 from kvstore.keys import KVCacheGroup, Namespace
-from kvstore.metrics import EngineMetrics
-from kvstore.runtime import Node, open_node
+from kvstore.runtime import Node
 
 NS = Namespace(
     model_name="org/tiny", tokens_per_hash=16, dtype="bfloat16", kv_cache_groups=(KVCacheGroup(16, ("l0",)),)
@@ -27,19 +24,8 @@ NS = Namespace(
 
 
 @pytest.fixture
-def node(s3_server: Any, s3_store: Any, tmp_path: Path) -> Iterator[Node]:
-    settings = load_settings(
-        store_url=f"s3://{s3_store.bucket}",
-        s3_endpoint=s3_server.endpoint,
-        access_key=s3_server.access_key,
-        secret_key=s3_server.secret_key,
-        cache_dir=tmp_path / "cache",
-        cache_bytes=10 << 20,
-        admin_token="s3cret",
-    )
-    opened = open_node(settings, metrics=EngineMetrics(CollectorRegistry()))
-    yield opened
-    opened.close()
+def node(s3_server: Any, s3_store: Any, open_test_node: Callable[..., Node]) -> Node:
+    return open_test_node(s3_server, f"s3://{s3_store.bucket}", cache_bytes=10 << 20, admin_token="s3cret")
 
 
 @pytest.fixture
@@ -116,56 +102,45 @@ def test_errors(client: TestClient, node: Node) -> None:
 
 
 def test_pinned_chunks_survive_eviction_pressure_and_gc(
-    s3_server: Any, s3_store: Any, tmp_path: Path
+    s3_server: Any, s3_store: Any, open_test_node: Callable[..., Node]
 ) -> None:
     """A pin made through the API holds its chunks in a node cache filled far past its budget, and GC (TTL 0,
     no grace) deletes every other chunk from the bucket but none of the pinned ones."""
     budget = 1 << 20
     chunk = 64 << 10  # a cache of 16 such chunks
-    settings = load_settings(
-        store_url=f"s3://{s3_store.bucket}/{s3_store.prefix}",
-        s3_endpoint=s3_server.endpoint,
-        access_key=s3_server.access_key,
-        secret_key=s3_server.secret_key,
-        cache_dir=tmp_path / "cache",
-        cache_bytes=budget,
-        admin_token="s3cret",
-    )
-    node = open_node(settings, metrics=EngineMetrics(CollectorRegistry()))
-    try:
-        client = TestClient(create_app(node), headers={"Authorization": "Bearer s3cret"})
-        node.store.put(NS.config_key, json.dumps(NS.fields()).encode())
-        r = client.post("/v1/pins", json={"name": "system", "namespace": NS.id, "token_ids": list(range(64))})
-        assert r.status_code == 201, r.text
-        pinned = r.json()["keys"]
-        assert len(pinned) == 4 and r.json()["node_pins"]["pinned"] == 4  # applied to this node at once
-        payloads = {key: bytes([i + 1]) * chunk for i, key in enumerate(pinned)}
-        node.engine.store_many(list(payloads.items()))
-        # Other prompts' chunks: 8x the budget, written through the same engine.
-        others = chunk_keys(NS, list(range(1000, 1000 + 16 * 128)))
-        assert len(others) == 128
-        for start in range(0, len(others), 16):
-            node.engine.store_many([(k, bytes([7]) * chunk) for k in others[start : start + 16]])
-        assert node.engine.flush(60)
+    url = f"s3://{s3_store.bucket}/{s3_store.prefix}"
+    node = open_test_node(s3_server, url, cache_bytes=budget, admin_token="s3cret")
+    client = TestClient(create_app(node), headers={"Authorization": "Bearer s3cret"})
+    node.store.put(NS.config_key, json.dumps(NS.fields()).encode())
+    r = client.post("/v1/pins", json={"name": "system", "namespace": NS.id, "token_ids": list(range(64))})
+    assert r.status_code == 201, r.text
+    pinned = r.json()["keys"]
+    assert len(pinned) == 4 and r.json()["node_pins"]["pinned"] == 4  # applied to this node at once
+    payloads = {key: bytes([i + 1]) * chunk for i, key in enumerate(pinned)}
+    node.engine.store_many(list(payloads.items()))
+    # Other prompts' chunks: 8x the budget, written through the same engine.
+    others = chunk_keys(NS, list(range(1000, 1000 + 16 * 128)))
+    assert len(others) == 128
+    for start in range(0, len(others), 16):
+        node.engine.store_many([(k, bytes([7]) * chunk) for k in others[start : start + 16]])
+    assert node.engine.flush(60)
 
-        usage = node.cache.usage()
-        assert usage.used_bytes <= usage.budget_bytes == budget
-        assert all(node.cache.contains_many(pinned))
-        assert sum(node.cache.contains_many(others)) < len(others) - 100  # most of them were evicted
-        for key, raw in payloads.items():
-            blob = node.cache.get(key)  # the NVMe copy itself, verified by its checksum
-            assert blob is not None and decode(blob) == raw
+    usage = node.cache.usage()
+    assert usage.used_bytes <= usage.budget_bytes == budget
+    assert all(node.cache.contains_many(pinned))
+    assert sum(node.cache.contains_many(others)) < len(others) - 100  # most of them were evicted
+    for key, raw in payloads.items():
+        blob = node.cache.get(key)  # the NVMe copy itself, verified by its checksum
+        assert blob is not None and decode(blob) == raw
 
-        time.sleep(1.1)  # S3 times have one-second resolution: every object is older than "now" below
-        started = client.post("/v1/gc", json={"ttl_seconds": 0, "grace_seconds": 0})
-        assert started.status_code == 202, started.text
-        job = wait_job(client, started.json()["id"])
-        assert job["status"] == "done", job
-        report = job["result"]
-        assert (report["kept_pinned"], report["deleted"], report["kept_young"]) == (4, 128, 0)
-        assert all(node.store.exists_many(pinned)) and not any(node.store.exists_many(others))
-    finally:
-        node.close()
+    time.sleep(1.1)  # S3 times have one-second resolution: every object is older than "now" below
+    started = client.post("/v1/gc", json={"ttl_seconds": 0, "grace_seconds": 0})
+    assert started.status_code == 202, started.text
+    job = wait_job(client, started.json()["id"])
+    assert job["status"] == "done", job
+    report = job["result"]
+    assert (report["kept_pinned"], report["deleted"], report["kept_young"]) == (4, 128, 0)
+    assert all(node.store.exists_many(pinned)) and not any(node.store.exists_many(others))
 
 
 def wait_job(client: TestClient, job_id: str) -> dict[str, Any]:

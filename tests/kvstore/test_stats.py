@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry
 
-from kvstore.config import load_settings
 from kvstore.gc import run_gc
 from kvstore.keys import KVCacheGroup, Namespace
-from kvstore.metrics import EngineMetrics
 from kvstore.pins import create_pin, keys_for_tokens
-from kvstore.runtime import Node, open_node
+from kvstore.runtime import Node
 from kvstore.stats import bucket_size, node_stats
 
 pytestmark = pytest.mark.integration
@@ -26,18 +23,8 @@ NS = Namespace(
 
 
 @pytest.fixture
-def node(s3_server: Any, s3_store: Any, tmp_path: Path) -> Iterator[Node]:
-    settings = load_settings(
-        store_url=f"s3://{s3_store.bucket}/{s3_store.prefix}",
-        s3_endpoint=s3_server.endpoint,
-        access_key=s3_server.access_key,
-        secret_key=s3_server.secret_key,
-        cache_dir=tmp_path / "cache",
-        cache_bytes=16 << 20,
-    )
-    opened = open_node(settings, metrics=EngineMetrics(CollectorRegistry()))
-    yield opened
-    opened.close()
+def node(s3_server: Any, s3_store: Any, open_test_node: Callable[..., Node]) -> Node:
+    return open_test_node(s3_server, f"s3://{s3_store.bucket}/{s3_store.prefix}", cache_bytes=16 << 20)
 
 
 def test_empty_node(node: Node) -> None:

@@ -9,21 +9,18 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry
 
 from kvstore.chunk import encode
-from kvstore.config import load_settings
 from kvstore.errors import ConfigError
 from kvstore.keys import KVCacheGroup, Namespace
-from kvstore.metrics import EngineMetrics
 from kvstore.pins import NamespaceNotFound, get_pin, keys_for_tokens
-from kvstore.runtime import Node, open_node
+from kvstore.runtime import Node
 from kvstore.warm import VLLMError, VLLMUnreachable, prefetch, warm
 
 pytestmark = pytest.mark.integration
@@ -39,25 +36,11 @@ def raw_for(key: str) -> bytes:
 
 
 @pytest.fixture
-def make_node(s3_server: Any, s3_store: Any, tmp_path: Path) -> Iterator[Callable[[str], Node]]:
-    opened: list[Node] = []
-
-    def make(name: str) -> Node:
-        settings = load_settings(
-            store_url=f"s3://{s3_store.bucket}/{s3_store.prefix}",
-            s3_endpoint=s3_server.endpoint,
-            access_key=s3_server.access_key,
-            secret_key=s3_server.secret_key,
-            cache_dir=tmp_path / name,
-            cache_bytes=16 << 20,
-        )
-        node = open_node(settings, metrics=EngineMetrics(CollectorRegistry()))
-        opened.append(node)
-        return node
-
-    yield make
-    for node in opened:
-        node.close()
+def make_node(
+    s3_server: Any, s3_store: Any, tmp_path: Path, open_test_node: Callable[..., Node]
+) -> Callable[[str], Node]:
+    url = f"s3://{s3_store.bucket}/{s3_store.prefix}"
+    return lambda name: open_test_node(s3_server, url, cache_dir=tmp_path / name, cache_bytes=16 << 20)
 
 
 def seed(node: Node, keys: list[str]) -> None:
