@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ __all__ = [
     "run_engine",
     "shm_in_use",
     "shm_snapshot",
+    "vllm_child_env",
 ]
 
 SHM = Path("/dev/shm")
@@ -90,6 +91,22 @@ class EngineRun:
 
 class EngineError(RuntimeError):
     """The engine subprocess failed; the message carries its log tail."""
+
+
+def vllm_child_env(child_tmp: Path, extra: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a vLLM subprocess: offline, no telemetry, temp files (ZMQ ipc sockets among them)
+    in `child_tmp` so they go away with it; `extra` last."""
+    return {
+        **os.environ,
+        "TMPDIR": str(child_tmp),
+        "VLLM_RPC_BASE_PATH": str(child_tmp),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **extra,
+    }
 
 
 def shm_snapshot() -> set[str]:
@@ -148,19 +165,14 @@ def run_engine(
     child_tmp = work / "tmp"
     child_tmp.mkdir()
     (work / "spec.json").write_text(json.dumps(spec))
-    child_env = {
-        **os.environ,
-        "TMPDIR": str(child_tmp),  # ZMQ ipc sockets and other temp files land here
-        "VLLM_RPC_BASE_PATH": str(child_tmp),
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_CONFIGURE_LOGGING": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in the subprocess itself
-        **(env or {}),
-    }
+    child_env = vllm_child_env(
+        child_tmp,
+        {
+            "VLLM_CONFIGURE_LOGGING": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in the subprocess itself
+            **(env or {}),
+        },
+    )
     log_path = work / "engine.log"
     started = time.perf_counter()
     try:

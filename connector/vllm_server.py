@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from kvstore.connector.engine_runner import remove_new_shm, shm_snapshot
+from kvstore.connector.engine_runner import remove_new_shm, shm_snapshot, vllm_child_env
 from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = ["VLLMServer", "VLLMServerError", "metric_total", "parse_metrics", "vllm_server"]
@@ -128,18 +128,7 @@ def vllm_server(
     if kv_transfer_config is not None:
         args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     args += list(extra_args)
-    child_env = {
-        **os.environ,
-        "TMPDIR": str(child_tmp),  # ZMQ ipc sockets and other temp files land here
-        "VLLM_RPC_BASE_PATH": str(child_tmp),
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONUNBUFFERED": "1",
-        **(env or {}),
-    }
+    child_env = vllm_child_env(child_tmp, {"PYTHONUNBUFFERED": "1", **(env or {})})
     proc: subprocess.Popen[bytes] | None = None
     try:
         with open(log_path, "ab") as log:
