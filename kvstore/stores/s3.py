@@ -1,9 +1,8 @@
-"""An S3 store over the MinIO SDK, with bounded timeouts and retries and errors translated at this edge.
+"""An S3 store: the data path (GET, HEAD, PUT) through obstore (`s3_data.py`), the control path (buckets,
+listings, deletes) through the MinIO SDK; bounded timeouts and retries, errors translated at this edge.
 
-Every request goes through one urllib3 pool with short connect/read timeouts and a bounded retry budget
-(connection errors and 5xx), so an unreachable endpoint becomes `StoreUnavailable` within seconds instead of
-the SDK's five-minute default. Create-only writes send `If-None-Match: *` through the SDK's lower-level
-request path, because minio-py's public `put_object` turns extra headers into user metadata.
+Both clients share the same short connect/read timeouts and bounded retry budget (connection errors and
+5xx), so an unreachable endpoint becomes `StoreUnavailable` within seconds instead of an SDK's minutes.
 """
 
 from __future__ import annotations
@@ -24,23 +23,13 @@ from minio.helpers import check_bucket_name
 from typing_extensions import override
 
 from kvstore.errors import BucketNotFound, ConfigError, StoreAuthError, StoreError, StoreUnavailable
-from kvstore.stores.base import Data, ObjectInfo, ObjectStore, as_bytes_view, check_range, validate_key
+from kvstore.stores.base import Data, ObjectInfo, ObjectStore, check_range, validate_key
+from kvstore.stores.s3_data import AUTH_CODES, S3DataPath
 
 __all__ = ["S3Options", "S3Store"]
 
 _T = TypeVar("_T")
 
-_AUTH_CODES = frozenset(
-    {
-        "AccessDenied",
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "ExpiredToken",
-        "InvalidToken",
-        "TokenRefreshRequired",
-        "AllAccessDisabled",
-    }
-)
 _MISSING_KEY_CODES = frozenset({"NoSuchKey", "NoSuchObject", "ResourceNotFound"})
 _DEFAULT_REGION = "us-east-1"
 _AWS_ENDPOINT = "https://s3.amazonaws.com"
@@ -154,6 +143,20 @@ class S3Store(ObjectStore):
             )
         except ValueError as exc:
             raise ConfigError(f"S3 endpoint {self._endpoint!r}: {exc}") from exc
+        self._data = S3DataPath(
+            bucket,
+            endpoint=self._endpoint if endpoint else None,
+            secure=is_secure,
+            access_key=access_key or None,
+            secret_key=secret_key or None,
+            session_token=session_token or None,
+            region=self._region,
+            connect_timeout=opts.connect_timeout,
+            read_timeout=opts.read_timeout,
+            retries=opts.retries,
+            backoff=opts.backoff,
+            backoff_max=opts.backoff_max,
+        )
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
@@ -198,7 +201,7 @@ class S3Store(ObjectStore):
         if isinstance(exc, S3Error):
             if exc.code == "NoSuchBucket":
                 raise BucketNotFound(f"bucket {self._bucket!r} does not exist at {self._endpoint}") from exc
-            if exc.code in _AUTH_CODES:
+            if exc.code in AUTH_CODES:
                 raise StoreAuthError(f"{where}: access denied ({exc.code}); check the credentials") from exc
             status = exc.response.status if exc.response is not None else 0
             if status >= 500 or exc.code in ("SlowDown", "ServiceUnavailable", "InternalError"):
@@ -222,88 +225,34 @@ class S3Store(ObjectStore):
         except (MinioException, urllib3.exceptions.HTTPError, OSError) as exc:
             self._raise(exc, what)
 
-    # -- reads --
-
-    def _read(self, name: str, what: str, offset: int = 0, length: int = 0) -> bytes | None:
-        try:
-            response = self._client.get_object(self._bucket, name, offset=offset, length=length)
-            try:
-                return response.read()
-            finally:
-                response.close()
-                response.release_conn()
-        except S3Error as exc:
-            if exc.code in _MISSING_KEY_CODES:
-                return None
-            self._raise(exc, what)
-        except (MinioException, urllib3.exceptions.HTTPError, OSError) as exc:
-            self._raise(exc, what)
+    # -- reads and writes (obstore) --
 
     @override
     def get(self, key: str) -> bytes | None:
-        return self._read(self._name(key), f"GET {key!r}")
+        return self._data.get(self._name(key), f"GET {key!r}")
 
     @override
     def get_range(self, key: str, start: int, length: int) -> bytes | None:
         check_range(start, length)
         name = self._name(key)
         if length == 0:
-            return b"" if self._head(name, f"HEAD {key!r}") else None
-        try:
-            return self._read(name, f"GET {key!r} range", offset=start, length=length)
-        except StoreError as exc:
-            # A range wholly past the end is a 416; S3 semantics say "empty", like slicing a bytes object.
-            cause = exc.__cause__
-            if isinstance(cause, S3Error) and cause.code == "InvalidRange":
-                return b"" if self._head(name, f"HEAD {key!r}") else None
-            raise
-
-    def _head(self, name: str, what: str) -> bool:
-        try:
-            self._client.stat_object(self._bucket, name)
-            return True
-        except S3Error as exc:
-            if exc.code in _MISSING_KEY_CODES:
-                return False
-            self._raise(exc, what)
-        except (MinioException, urllib3.exceptions.HTTPError, OSError) as exc:
-            self._raise(exc, what)
+            return b"" if self._data.head(name, f"HEAD {key!r}") else None
+        return self._data.get_range(name, start, length, f"GET {key!r} range")
 
     @override
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         names = [self._name(key) for key in keys]
         if len(names) <= 1:
-            return [self._head(name, f"HEAD {name!r}") for name in names]
-        return list(self._executor().map(lambda name: self._head(name, f"HEAD {name!r}"), names))
-
-    # -- writes --
-
-    def _put(self, name: str, data: Data, headers: dict[str, str | list[str] | tuple[str]]) -> None:
-        body = as_bytes_view(data)
-        headers["Content-Type"] = "application/octet-stream"
-        # The SDK only sets Content-Length for a non-empty body; an empty object needs it explicitly.
-        headers["Content-Length"] = str(body.nbytes)
-        # One request, no multipart: chunks are MiB-sized, far below the 5 GiB single-PUT limit.
-        self._client._put_object(self._bucket, name, body, headers=headers)  # type: ignore[arg-type]
+            return [self._data.head(name, f"HEAD {name!r}") for name in names]
+        return list(self._executor().map(lambda name: self._data.head(name, f"HEAD {name!r}"), names))
 
     @override
     def put(self, key: str, data: Data) -> None:
-        name = self._name(key)
-        self._call(f"PUT {key!r}", lambda: self._put(name, data, {}))
+        self._data.put(self._name(key), data, f"PUT {key!r}")
 
     @override
     def put_if_absent(self, key: str, data: Data) -> bool:
-        name = self._name(key)
-        try:
-            self._put(name, data, {"If-None-Match": "*"})
-            return True
-        except S3Error as exc:
-            # 412: the key exists. 409 ConditionalRequestConflict: a racing create-only write is in flight.
-            if exc.code in ("PreconditionFailed", "ConditionalRequestConflict"):
-                return False
-            self._raise(exc, f"PUT-if-absent {key!r}")
-        except (MinioException, urllib3.exceptions.HTTPError, OSError) as exc:
-            self._raise(exc, f"PUT-if-absent {key!r}")
+        return self._data.put(self._name(key), data, f"PUT-if-absent {key!r}", create_only=True)
 
     @override
     def delete(self, key: str) -> None:
@@ -330,7 +279,7 @@ class S3Store(ObjectStore):
                     continue
                 if error.code == "NoSuchBucket":
                     raise BucketNotFound(f"bucket {self._bucket!r} does not exist at {self._endpoint}")
-                if error.code in _AUTH_CODES:
+                if error.code in AUTH_CODES:
                     raise StoreAuthError(f"DELETE {error.name!r} in {self.url}: access denied ({error.code})")
                 raise StoreError(f"DELETE {error.name!r} in {self.url}: {error.code}: {error.message}")
 
