@@ -307,12 +307,22 @@ class TieredStore:
         if self.store is None or not missing or not self._store_available():
             return out
         if len(missing) == 1:
-            i = missing[0]
-            out[i] = self._fetch_remote(items[i][0], items[i][1]) is not None
+            key, dest = items[missing[0]]
+            out[missing[0]] = self._fetch_remote(key, dest) is not None
             return out
-        # Object GETs wait on the network: spread them over the workers.
-        for i, ok in zip(missing, self._in_parallel(items, missing, self._fetch_into), strict=True):
+        # Object GETs wait on the network: spread them over the workers, then admit what they fetched to
+        # NVMe as one background batch (one index commit, not one per chunk on the loads' critical path).
+        fetched: list[tuple[str, bytes]] = []
+
+        def fetch_into(key: str, dest: memoryview) -> bool:
+            blob = self._fetch_remote(key, dest, admit=False)
+            if blob is not None:
+                fetched.append((key, blob))  # list.append is atomic
+            return blob is not None
+
+        for i, ok in zip(missing, self._in_parallel(items, missing, fetch_into), strict=True):
             out[i] = ok
+        self._admit_in_background(fetched)
         return out
 
     def _in_parallel(
@@ -332,9 +342,6 @@ class TieredStore:
         for first, part in enumerate(parts):
             out[first::stride] = part
         return out
-
-    def _fetch_into(self, key: str, dest: memoryview) -> bool:
-        return self._fetch_remote(key, dest) is not None
 
     def get(self, key: str) -> bytes | None:
         """A chunk's raw bytes (verified), or None. For tools; the vLLM path uses `load_into`."""
@@ -410,8 +417,9 @@ class TieredStore:
         self._answers.forget(key)
         self._emit(key, "nvme", removed=True)
 
-    def _fetch_remote(self, key: str, dest: memoryview | None = None) -> bytes | None:
-        """GET a chunk, verify it (into `dest` when given) and admit it to NVMe in the background."""
+    def _fetch_remote(self, key: str, dest: memoryview | None = None, *, admit: bool = True) -> bytes | None:
+        """GET a chunk, verify it (into `dest` when given) and, with `admit`, admit it to NVMe in the
+        background."""
         if self.store is None or not self._store_available():
             return None
         start = time.perf_counter()
@@ -443,25 +451,33 @@ class TieredStore:
             self.metrics.region_hits.labels(region).inc()
         if self._answers.get(key) is not Presence.LOCAL:
             self._answers.set(key, Presence.REMOTE)
-        self._admit_in_background(key, blob)
+        if admit:
+            self._admit_in_background([(key, blob)])
         return blob
 
-    def _admit_in_background(self, key: str, blob: bytes) -> None:
-        if self.cache is None:
+    def _admit_in_background(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Write verified object hits to NVMe as one batch on an io thread, within the admission budget."""
+        if self.cache is None or not items:
             return
+        batch: list[tuple[str, bytes]] = []
         with self._lock:
-            if key in self._admitting or len(blob) > self._admission_budget:
-                return  # already on its way, or too much queued: the next hit tries again
-            self._admitting.add(key)
-            self._admission_budget -= len(blob)
+            for key, blob in items:
+                if key in self._admitting or len(blob) > self._admission_budget:
+                    continue  # already on its way, or too much queued: the next hit tries again
+                self._admitting.add(key)
+                self._admission_budget -= len(blob)
+                batch.append((key, blob))
+        if not batch:
+            return
 
         def run() -> None:
             try:
-                self._write_nvme([(key, blob)])
+                self._write_nvme(batch)
             finally:
                 with self._lock:
-                    self._admitting.discard(key)
-                    self._admission_budget += len(blob)
+                    for key, blob in batch:
+                        self._admitting.discard(key)
+                        self._admission_budget += len(blob)
 
         self._io.submit(run)
 
