@@ -69,6 +69,7 @@ _SETTINGS_OPTIONS = {
     "probe_hit_ttl_s",
     "probe_miss_ttl_s",
     "outage_cooldown_s",
+    "prefetch_bytes",
     "pin_sync_s",
     "region",
     "remote_timeout_s",

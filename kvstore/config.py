@@ -164,6 +164,8 @@ class Settings(BaseSettings):
     probe_hit_ttl_s: float = 600.0
     probe_miss_ttl_s: float = 2.0
     outage_cooldown_s: float = 5.0
+    # Memory for chunks the vLLM scheduler's probe GETs ahead of the load that follows; 0: probe by HEAD.
+    prefetch_bytes: int = 256 * MiB
     # How often a node re-reads the bucket's pin manifests into its cache (the tier and the admin service
     # do); 0 turns the periodic sync off.
     pin_sync_s: float = 60.0
@@ -216,6 +218,13 @@ class Settings(BaseSettings):
     def _positive_bytes(cls, value: int) -> int:
         if value <= 0:
             raise ValueError("must be a positive number of bytes")
+        return value
+
+    @field_validator("prefetch_bytes")
+    @classmethod
+    def _bytes_or_off(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("must be >= 0 (0 turns it off)")
         return value
 
     @field_validator("upload_workers", "io_workers", "remote_workers")

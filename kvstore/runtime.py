@@ -139,6 +139,7 @@ def open_node(settings: Settings, *, metrics: EngineMetrics | None = None, check
         probe_hit_ttl_s=settings.probe_hit_ttl_s,
         probe_miss_ttl_s=settings.probe_miss_ttl_s,
         outage_cooldown_s=settings.outage_cooldown_s,
+        prefetch_bytes=settings.prefetch_bytes,
         metrics=metrics,
     )
     return Node(settings=settings, store=store, cache=cache, engine=engine, embedded=server)

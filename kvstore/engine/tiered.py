@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvstore.cache import CachedChunk, NVMeCache
 from kvstore.chunk import (
@@ -39,6 +40,7 @@ from kvstore.chunk import (
     encode,
     parse_header,
 )
+from kvstore.engine.prefetch import PrefetchBuffer
 from kvstore.engine.probes import AnswerCache, Presence
 from kvstore.engine.uploads import UploadQueue
 from kvstore.errors import (
@@ -59,6 +61,7 @@ _MAX_PENDING_PROBES = 65_536
 # threads, and every extra thread multiplies GIL hand-offs with vLLM's scheduler. Larger batches fan out.
 _SEQUENTIAL_MAX = 32 << 20
 _MAX_EVENTS = 65_536
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ class TieredStore:
         upload_workers: int = 8,
         io_workers: int = 16,
         admission_queue_bytes: int = 256 << 20,
+        prefetch_bytes: int = 256 << 20,
         probe_hit_ttl_s: float = 600.0,
         probe_miss_ttl_s: float = 2.0,
         local_ttl_s: float = 30.0,
@@ -124,6 +128,7 @@ class TieredStore:
         self._events: deque[ChunkEvent] = deque(maxlen=_MAX_EVENTS)
         self._admission_budget = admission_queue_bytes
         self._admitting: set[str] = set()
+        self._prefetched = PrefetchBuffer(prefetch_bytes)
         self._uploads = UploadQueue(upload_queue_bytes)
         self._io_workers = io_workers
         self._io = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="kvstore-io")
@@ -203,7 +208,8 @@ class TieredStore:
         self._answers.set(key, Presence.MISS)
 
     def probe_async(self, keys: Sequence[str]) -> None:
-        """Find out where `keys` are, in the background: the index first, then one batched store probe.
+        """Find out where `keys` are, in the background: the index first, then the object store, by GET
+        while the prefetch buffer has room (a load is expected to follow), else by HEAD.
         Never blocks (the scheduler calls it)."""
         if keys:
             self._probe_requests.put(list(keys))
@@ -259,8 +265,30 @@ class TieredStore:
             if self.store is None or not self._store_available():
                 for key in elsewhere:
                     self._answers.set(key, Presence.MISS)
+            elif self._prefetched.enabled:
+                self._prefetch(elsewhere)
             else:
                 self._probe_store(elsewhere)
+
+    def _prefetch(self, keys: Sequence[str]) -> None:
+        """Probe by GET: hits wait in the prefetch buffer for the load that follows (verified there)."""
+        assert self.store is not None
+        store = self.store
+
+        def fetch(key: str) -> bool:
+            blob, region = get_located(store, key)
+            if blob is None:
+                return False
+            self._prefetched.offer(key, blob, region)  # no room: still a hit, the load GETs it again
+            return True
+
+        try:
+            found = self._map_parallel(fetch, keys)
+        except StoreError as exc:
+            self._store_failed("get", exc)
+            return
+        for key, present in zip(keys, found, strict=True):
+            self._answers.set(key, Presence.REMOTE if present else Presence.MISS)
 
     def _apply_touches(self) -> None:
         if self.cache is None:
@@ -331,14 +359,18 @@ class TieredStore:
         indices: Sequence[int],
         load: Callable[[str, memoryview], bool],
     ) -> list[bool]:
-        """`load` over `items[indices]`, one task per worker over a stride (no future per chunk)."""
-        stride = min(self._io_workers, len(indices))
+        """`load` over `items[indices]` on the io workers."""
+        return self._map_parallel(lambda i: load(*items[i]), indices)
+
+    def _map_parallel(self, fn: Callable[[_T], bool], args: Sequence[_T]) -> list[bool]:
+        """`fn` over `args` on the io workers, one task per worker over a stride (no future per item)."""
+        stride = min(self._io_workers, len(args))
 
         def run(first: int) -> list[bool]:
-            return [load(*items[i]) for i in indices[first::stride]]
+            return [fn(arg) for arg in args[first::stride]]
 
         parts = [f.result() for f in [self._io.submit(run, first) for first in range(stride)]]
-        out = [False] * len(indices)
+        out = [False] * len(args)
         for first, part in enumerate(parts):
             out[first::stride] = part
         return out
@@ -418,16 +450,23 @@ class TieredStore:
         self._emit(key, "nvme", removed=True)
 
     def _fetch_remote(self, key: str, dest: memoryview | None = None, *, admit: bool = True) -> bytes | None:
-        """GET a chunk, verify it (into `dest` when given) and, with `admit`, admit it to NVMe in the
-        background."""
-        if self.store is None or not self._store_available():
+        """GET a chunk (unless the probe prefetched it), verify it (into `dest` when given) and, with
+        `admit`, admit it to NVMe in the background."""
+        if self.store is None:
             return None
         start = time.perf_counter()
-        try:
-            blob, region = get_located(self.store, key)
-        except StoreError as exc:
-            self._store_failed("get", exc)
+        blob: bytes | None
+        held = self._prefetched.take(key)
+        if held is not None:
+            blob, region = held
+        elif not self._store_available():
             return None
+        else:
+            try:
+                blob, region = get_located(self.store, key)
+            except StoreError as exc:
+                self._store_failed("get", exc)
+                return None
         if blob is None:
             self._answers.set(key, Presence.MISS)
             self.metrics.load_failures.labels("object").inc()

@@ -112,6 +112,65 @@ def test_lookup_without_waiting_probes_in_background(s3_store: ObjectStore, metr
     reader.close()
 
 
+def wait_answers(engine: TieredStore, names: Sequence[str]) -> list[Presence]:
+    engine.probe_async(names)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        answers = [engine.lookup_cached(k) for k in names]
+        if Presence.PENDING not in answers:
+            return answers
+        time.sleep(0.01)
+    pytest.fail("probe never answered")
+
+
+def fill(store: ObjectStore, metrics: EngineMetrics, names: Sequence[str]) -> None:
+    writer = make_engine(store, None, metrics)
+    writer.store_many([(k, payload(i)) for i, k in enumerate(names)])
+    assert writer.flush(30)
+    writer.close()
+
+
+def test_probe_fetches_hits_so_the_load_needs_no_second_round(
+    s3_store: ObjectStore, metrics: EngineMetrics
+) -> None:
+    names = keys(6, "prefetch")
+    fill(s3_store, metrics, names[:4])
+    engine = make_engine(s3_store, None, metrics)
+    assert wait_answers(engine, names) == [Presence.REMOTE] * 4 + [Presence.MISS] * 2
+    # The objects go away after the probe: the load is served from what the probe fetched, verified.
+    s3_store.delete_many(names[:4])
+    assert load(engine, names[:4]) == [payload(i) for i in range(4)]
+    assert sample(metrics, "kvstore:read_bytes_total", tier="object") == 4 * len(payload(0))
+    # Each prefetched blob serves one load; the next one goes to the store (now a miss).
+    assert load(engine, names[:1]) == [None]
+    engine.close()
+
+
+def test_corrupt_prefetched_chunk_is_never_served(s3_store: ObjectStore, metrics: EngineMetrics) -> None:
+    names = keys(1, "prefetch-corrupt")
+    fill(s3_store, metrics, names)
+    blob = bytearray(s3_store.get(names[0]) or b"")
+    blob[-5] ^= 0x10
+    s3_store.put(names[0], bytes(blob))
+    engine = make_engine(s3_store, None, metrics)
+    assert wait_answers(engine, names) == [Presence.REMOTE]
+    assert load(engine, names) == [None]
+    assert sample(metrics, "kvstore:checksum_failures_total", tier="object") == 1
+    assert s3_store.get(names[0]) is None  # the bad object is removed
+    assert engine.lookup_cached(names[0]) is Presence.MISS
+    engine.close()
+
+
+def test_probe_by_head_when_prefetch_is_off(s3_store: ObjectStore, metrics: EngineMetrics) -> None:
+    names = keys(2, "prefetch-off")
+    fill(s3_store, metrics, names)
+    engine = make_engine(s3_store, None, metrics, prefetch_bytes=0)
+    assert wait_answers(engine, names) == [Presence.REMOTE] * 2
+    s3_store.delete_many(names)
+    assert load(engine, names) == [None, None]  # nothing was held: the load asked the store
+    engine.close()
+
+
 def test_corrupt_nvme_copy_is_never_served(
     s3_store: ObjectStore, cache: NVMeCache, metrics: EngineMetrics
 ) -> None:

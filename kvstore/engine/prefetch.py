@@ -1,0 +1,66 @@
+"""Object-store chunks fetched by the scheduler's probe, held in memory until their load takes them.
+
+The scheduler's probe asks the object store whether chunks exist; a load follows for those that do. On the
+vLLM path the probe GETs instead of HEADs (same request count, and a missing key costs the same), so the load
+that follows finds the bytes here and the request waits for one network round instead of two. Blobs are
+kept unverified: the load verifies them, as it does every chunk it serves. Bounded by bytes; entries that no
+load takes within `ttl_s` are dropped (the request went elsewhere, or was cancelled).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+
+class PrefetchBuffer:
+    def __init__(self, max_bytes: int, *, ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self._max_bytes = max_bytes
+        self._ttl = ttl_s
+        self._clock = clock
+        self._bytes = 0
+        self._entries: OrderedDict[str, tuple[bytes, str | None, float]] = OrderedDict()  # oldest first
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self._max_bytes > 0
+
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
+
+    def offer(self, key: str, blob: bytes, region: str | None) -> bool:
+        """Hold `blob` (fetched from `region`, None for a single store); False when it does not fit."""
+        now = self._clock()
+        with self._lock:
+            self._expire(now)
+            if key in self._entries:
+                return True
+            if self._bytes + len(blob) > self._max_bytes:
+                return False
+            self._entries[key] = (blob, region, now + self._ttl)
+            self._bytes += len(blob)
+            return True
+
+    def take(self, key: str) -> tuple[bytes, str | None] | None:
+        """The held blob and its region, removed from the buffer; None if not held (or expired)."""
+        if key not in self._entries:  # lock-free fast path: most loads find nothing here
+            return None
+        with self._lock:
+            found = self._entries.pop(key, None)
+            if found is None:
+                return None
+            blob, region, expires = found
+            self._bytes -= len(blob)
+            return (blob, region) if self._clock() < expires else None
+
+    def _expire(self, now: float) -> None:
+        while self._entries:
+            key, (blob, _, expires) = next(iter(self._entries.items()))
+            if expires > now:
+                return
+            del self._entries[key]
+            self._bytes -= len(blob)
