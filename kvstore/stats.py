@@ -1,4 +1,5 @@
-"""One node's figures in one dict: tier hit rates, NVMe usage, upload backlog, bucket size, pins, last GC.
+"""One node's figures in one dict: tier hit rates, NVMe usage, upload backlog, bucket size, pins, last GC,
+and with several regions, each region's reachability and traffic.
 
 `node_stats` backs `GET /v1/stats` and `kvstore stats`. Every section is computed independently: a store that
 is down turns its sections into `{"error": ...}` instead of failing the whole answer. Counting the bucket
@@ -18,7 +19,7 @@ from kvstore.gc import list_reports
 from kvstore.keys import is_chunk_key
 from kvstore.pins import list_pins
 from kvstore.runtime import Node
-from kvstore.stores import ObjectStore
+from kvstore.stores import ObjectStore, RegionalStore
 
 __all__ = ["BucketSize", "bucket_size", "node_stats"]
 
@@ -76,10 +77,37 @@ def _nvme(cache: NVMeCache) -> dict[str, Any]:
     }
 
 
+def _regions(store: RegionalStore) -> list[dict[str, Any]]:
+    """Per region: where it is, whether it answers, and what this node read from it and copied home."""
+    registry = store.metrics.registry
+
+    def count(name: str, region: str) -> int:
+        return int(registry.get_sample_value(f"kvstore:{name}_total", {"region": region}) or 0)
+
+    out: list[dict[str, Any]] = []
+    for name, region_store in store.region_stores():
+        local = name == store.local_name
+        entry: dict[str, Any] = {"name": name, "url": region_store.url, "local": local}
+        try:
+            region_store.check()
+            entry["reachable"] = True
+        except KVStoreError as exc:
+            entry.update(reachable=False, error=str(exc))
+        if not local:
+            entry["cooling_down"] = not store.remote_available(name)
+        entry.update(hits=count("region_hits", name), errors=count("region_errors", name))
+        if not local:
+            entry["copied_home"] = count("region_copies", name)
+        out.append(entry)
+    return out
+
+
 def node_stats(node: Node, *, scan_bucket: bool = True) -> dict[str, Any]:
     """A JSON-ready summary of the node. `scan_bucket=False` skips the (full) bucket listing."""
     out: dict[str, Any] = _tiers(node.engine)
     out["nvme"] = _nvme(node.cache)
+    if isinstance(node.store, RegionalStore):
+        out["regions"] = _regions(node.store)
     out["upload_queue_bytes"] = node.engine.upload_queue_bytes
     store: dict[str, Any] = {"url": node.store.url}
     try:

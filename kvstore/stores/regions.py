@@ -121,6 +121,10 @@ class RegionalStore(ObjectStore):
         """Region names, local first, in the order they are read."""
         return [self.local_name, *(r.name for r in self._remotes)]
 
+    def region_stores(self) -> list[tuple[str, ObjectStore]]:
+        """(name, store) of every region, local first."""
+        return [(self.local_name, self._local), *((r.name, r.store) for r in self._remotes)]
+
     def remote_available(self, name: str) -> bool:
         """False while the remote `name` sits out a cooldown after a failure."""
         return self._clock() >= self._remote(name).down_until

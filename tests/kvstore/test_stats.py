@@ -80,3 +80,29 @@ def test_unreachable_store_is_reported_not_raised(node: Node, tmp_path: Path) ->
     assert stats["store"]["reachable"] is False and "error" in stats["store"]
     assert "error" in stats["bucket"] and "error" in stats["pins"] and stats["last_gc"] is None
     assert stats["nvme"]["entries"] == 0
+
+
+def test_every_region_is_reported(
+    s3_server: Any, s3_store: Any, open_test_node: Callable[..., Node], tmp_path: Path
+) -> None:
+    from kvstore.chunk import encode
+
+    far = f"{s3_store.prefix}-far"
+    node = open_test_node(
+        s3_server,
+        [f"s3://{s3_store.bucket}/{s3_store.prefix}", {"url": f"s3://{s3_store.bucket}/{far}", "name": "eu"},
+         {"url": "s3://nobucket/x", "name": "gone", "endpoint": "http://127.0.0.1:9"}],
+        remote_timeout_s=0.5,
+    )  # fmt: skip
+    [key] = keys_for_tokens(NS, list(range(16)))
+    with s3_server.store(s3_store.bucket, far) as remote:
+        remote.put(key, encode(bytes(1000)))
+    assert node.engine.get(key) == bytes(1000)  # served by "eu", then copied home
+
+    regions = {r["name"]: r for r in node_stats(node, scan_bucket=False)["regions"]}
+    assert list(regions) == ["local", "eu", "gone"]
+    assert regions["local"]["local"] is True and regions["local"]["reachable"] is True
+    assert regions["eu"]["url"] == f"s3://{s3_store.bucket}/{far}"
+    assert regions["eu"]["hits"] == 1 and regions["eu"]["reachable"] is True
+    assert regions["gone"]["reachable"] is False and "127.0.0.1:9" in regions["gone"]["error"]
+    json.dumps(regions)
