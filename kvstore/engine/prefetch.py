@@ -49,13 +49,15 @@ class PrefetchBuffer:
         """The held blob and its region, removed from the buffer; None if not held (or expired)."""
         if key not in self._entries:  # lock-free fast path: most loads find nothing here
             return None
+        now = self._clock()
         with self._lock:
             found = self._entries.pop(key, None)
+            self._expire(now)  # loads are what follows probes: a good moment to let go of stale blobs
             if found is None:
                 return None
             blob, region, expires = found
             self._bytes -= len(blob)
-            return (blob, region) if self._clock() < expires else None
+            return (blob, region) if now < expires else None
 
     def _expire(self, now: float) -> None:
         while self._entries:
