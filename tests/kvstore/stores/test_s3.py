@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import traceback
 import uuid
 from typing import TYPE_CHECKING
 
@@ -94,11 +95,17 @@ def test_missing_bucket(s3_server: S3Server) -> None:
 
 def test_unreachable_endpoint_fails_fast() -> None:
     # Port 9 (discard) on loopback is closed: connection refused, retried a bounded number of times.
-    with S3Store("bucket", endpoint="http://127.0.0.1:9", access_key="a", secret_key="b") as store:
+    secret = "never-in-a-traceback-0123456789"
+    with S3Store("bucket", endpoint="http://127.0.0.1:9", access_key="AKIDTEST", secret_key=secret) as store:
         with pytest.raises(StoreUnavailable, match=r"127\.0\.0\.1:9"):
             store.check()
-        with pytest.raises(StoreUnavailable):
-            store.get("k")
+        calls = (lambda: store.get("k"), lambda: store.put("k", b"x"), lambda: store.exists_many(["a", "b"]))
+        for call in calls:
+            with pytest.raises(StoreUnavailable) as caught:
+                call()
+            # Both clients' errors end up in logs with their causes: no credential may appear in them.
+            text = "".join(traceback.format_exception(caught.value))
+            assert secret not in text and "AKIDTEST" not in text
 
 
 def test_secrets_stay_out_of_repr_and_url(s3_server: S3Server, s3_bucket: str) -> None:
