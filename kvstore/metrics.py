@@ -78,6 +78,11 @@ class EngineMetrics:
         self.upload_queue_bytes = Gauge(
             "kvstore:upload_queue_bytes", "Bytes waiting for write-behind upload", registry=registry
         )
+        self.prefetch_bytes = Gauge(
+            "kvstore:prefetch_bytes",
+            "Bytes fetched by probes and held for the loads that follow",
+            registry=registry,
+        )
         self.nvme_used_bytes = Gauge(
             "kvstore:nvme_used_bytes", "Bytes held by the NVMe cache", registry=registry
         )

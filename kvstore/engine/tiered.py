@@ -142,6 +142,7 @@ class TieredStore:
             thread.start()
         self._m_queries = {t: self.metrics.queries.labels(t) for t in ("nvme", "object")}
         self._m_hits = {t: self.metrics.hits.labels(t) for t in ("nvme", "object")}
+        self.metrics.prefetch_bytes.set_function(lambda: float(self._prefetched.held_bytes))
         if cache is not None:
             self.metrics.track_nvme_usage(lambda: _usage_pair(cache))
 

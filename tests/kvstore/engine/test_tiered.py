@@ -137,10 +137,13 @@ def test_probe_fetches_hits_so_the_load_needs_no_second_round(
     fill(s3_store, metrics, names[:4])
     engine = make_engine(s3_store, None, metrics)
     assert wait_answers(engine, names) == [Presence.REMOTE] * 4 + [Presence.MISS] * 2
+    held = sample(metrics, "kvstore:prefetch_bytes")
+    assert held == sum(len(s3_store.get(k) or b"") for k in names[:4])
     # The objects go away after the probe: the load is served from what the probe fetched, verified.
     s3_store.delete_many(names[:4])
     assert load(engine, names[:4]) == [payload(i) for i in range(4)]
     assert sample(metrics, "kvstore:read_bytes_total", tier="object") == 4 * len(payload(0))
+    assert sample(metrics, "kvstore:prefetch_bytes") == 0
     # Each prefetched blob serves one load; the next one goes to the store (now a miss).
     assert load(engine, names[:1]) == [None]
     engine.close()
