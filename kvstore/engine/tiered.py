@@ -272,24 +272,24 @@ class TieredStore:
                 self._probe_store(elsewhere)
 
     def _prefetch(self, keys: Sequence[str]) -> None:
-        """Probe by GET: hits wait in the prefetch buffer for the load that follows (verified there)."""
+        """Probe by GET: hits wait in the prefetch buffer for the load that follows (verified there).
+
+        Each answer is published as soon as its GET returns: the workers take the keys in order, so vLLM sees
+        a growing prefix of hits and starts loading it while the rest is still on the wire."""
         assert self.store is not None
         store = self.store
 
         def fetch(key: str) -> bool:
             blob, region = get_located(store, key)
-            if blob is None:
-                return False
-            self._prefetched.offer(key, blob, region)  # no room: still a hit, the load GETs it again
-            return True
+            if blob is not None:
+                self._prefetched.offer(key, blob, region)  # no room: still a hit, the load GETs it again
+            self._answers.set(key, Presence.MISS if blob is None else Presence.REMOTE)
+            return blob is not None
 
         try:
-            found = self._map_parallel(fetch, keys)
-        except StoreError as exc:
+            self._map_parallel(fetch, keys)
+        except StoreError as exc:  # keys answered before the failure stand; the rest are asked again
             self._store_failed("get", exc)
-            return
-        for key, present in zip(keys, found, strict=True):
-            self._answers.set(key, Presence.REMOTE if present else Presence.MISS)
 
     def _apply_touches(self) -> None:
         if self.cache is None:
