@@ -9,7 +9,7 @@ Each engine first runs a short unrelated warm-up prompt, so TTFT excludes first-
 the time of a `max_tokens=1` request, the median over the prompts.
 
 Also the scheduler-thread cost of the tier per step with 1000+ chunks in flight, measured outside the
-engine with vLLM's own job classes (everything the scheduler calls: lookup, submit, poll, events).
+engine with vLLM's own job classes (everything the scheduler calls: lookup, submit, poll, events, stats).
 """
 
 from __future__ import annotations
@@ -184,6 +184,7 @@ def bench_scheduler(
             finished = list(tier.get_finished_jobs())
             tier.on_schedule_end(None)
             list(tier.take_events())
+            tier.get_stats()  # vLLM collects connector stats on every step
             per_step.append(time.perf_counter() - start)
             in_flight -= 32 * len(finished)
             max_in_flight = max(max_in_flight, in_flight)

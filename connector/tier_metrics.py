@@ -7,6 +7,10 @@ counters; this module turns them into deltas in vLLM's `OffloadingConnectorStats
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
+from prometheus_client.metrics import MetricWrapperBase
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     OffloadingCounterMetadata,
@@ -14,7 +18,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingMetricMetadata,
 )
 
-from kvstore.metrics import TIERS, EngineMetrics
+from kvstore.metrics import EngineMetrics
 
 QUERIES = "vllm:kvstore_chunk_queries"
 HITS = "vllm:kvstore_chunk_hits"
@@ -26,16 +30,16 @@ STORES_DROPPED = "vllm:kvstore_stores_dropped"
 NVME_USED = "vllm:kvstore_nvme_used_bytes"
 NVME_BUDGET = "vllm:kvstore_nvme_budget_bytes"
 
-# vLLM metric name -> (kvstore sample name, labelled by tier)
+# vLLM metric name -> (the engine's metric attribute, its sample name); all labelled by tier.
 _PER_TIER_COUNTERS = {
-    QUERIES: "kvstore:chunk_queries_total",
-    HITS: "kvstore:chunk_hits_total",
-    READ_BYTES: "kvstore:read_bytes_total",
-    WRITE_BYTES: "kvstore:write_bytes_total",
-    READ_SECONDS: "kvstore:read_seconds_sum",
-    CHECKSUM_FAILURES: "kvstore:checksum_failures_total",
+    QUERIES: ("queries", "kvstore:chunk_queries_total"),
+    HITS: ("hits", "kvstore:chunk_hits_total"),
+    READ_BYTES: ("read_bytes", "kvstore:read_bytes_total"),
+    WRITE_BYTES: ("write_bytes", "kvstore:write_bytes_total"),
+    READ_SECONDS: ("read_seconds", "kvstore:read_seconds_sum"),
+    CHECKSUM_FAILURES: ("checksum_failures", "kvstore:checksum_failures_total"),
 }
-_DROP_REASONS = ("queue_full", "store_down", "error")
+_DROPPED = "kvstore:stores_dropped"
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
@@ -58,34 +62,62 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
 
 
 class TierStats:
-    """Turns the engine's cumulative counters into per-interval deltas for vLLM."""
+    """Turns the engine's cumulative counters into per-step deltas for vLLM.
 
-    def __init__(self, metrics: EngineMetrics) -> None:
+    vLLM asks on every engine step, on the scheduler thread, so this reads only the metric families it reports
+    (never a whole-registry collection, which costs about a millisecond) and the NVMe usage, an index read, at
+    most once per `usage_every_s`.
+    """
+
+    def __init__(
+        self,
+        metrics: EngineMetrics,
+        *,
+        usage_every_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._metrics = metrics
         self._last: dict[tuple[str, str], float] = {}
+        self._usage_every = usage_every_s
+        self._clock = clock
+        self._usage_at = float("-inf")
 
-    def _delta(self, name: str, sample: str, labels: dict[str, str]) -> float:
-        now = self._metrics.registry.get_sample_value(sample, labels) or 0.0
-        key = (name, next(iter(labels.values()), ""))
-        change = now - self._last.get(key, 0.0)
-        self._last[key] = now
-        return change
+    def _changes(self, name: str, metric: MetricWrapperBase, sample: str, label: str) -> dict[str, float]:
+        """Per label value, how much the cumulative `sample` grew since the previous call."""
+        out: dict[str, float] = {}
+        for family in metric.collect():
+            for found in family.samples:
+                if found.name != sample:
+                    continue
+                key = (name, found.labels[label])
+                change = found.value - self._last.get(key, 0.0)
+                self._last[key] = found.value
+                if change:
+                    out[key[1]] = change
+        return out
 
     def collect(self) -> OffloadingConnectorStats | None:
         stats = OffloadingConnectorStats()
-        for name, sample in _PER_TIER_COUNTERS.items():
-            for tier in TIERS:
-                change = self._delta(name, sample, {"tier": tier})
-                if change:
-                    stats.increase_counter(name, change, (tier,))
-        for reason in _DROP_REASONS:
-            change = self._delta(STORES_DROPPED, "kvstore:stores_dropped_total", {"reason": reason})
-            if change:
-                stats.increase_counter(STORES_DROPPED, change, (reason,))
-        registry = self._metrics.registry
-        used = registry.get_sample_value("kvstore:nvme_used_bytes")
-        budget = registry.get_sample_value("kvstore:nvme_budget_bytes")
-        if used is not None and budget is not None:
-            stats.set_gauge(NVME_USED, used)
-            stats.set_gauge(NVME_BUDGET, budget)
+        for name, (attribute, sample) in _PER_TIER_COUNTERS.items():
+            metric = getattr(self._metrics, attribute)
+            for tier, change in self._changes(name, metric, sample, "tier").items():
+                stats.increase_counter(name, change, (tier,))
+        dropped = self._metrics.stores_dropped
+        for reason, change in self._changes(STORES_DROPPED, dropped, f"{_DROPPED}_total", "reason").items():
+            stats.increase_counter(STORES_DROPPED, change, (reason,))
+        now = self._clock()
+        if now - self._usage_at >= self._usage_every:
+            self._usage_at = now
+            used = _gauge(self._metrics.nvme_used_bytes)
+            budget = _gauge(self._metrics.nvme_budget_bytes)
+            if used is not None and budget is not None:
+                stats.set_gauge(NVME_USED, used)
+                stats.set_gauge(NVME_BUDGET, budget)
         return None if stats.is_empty() else stats
+
+
+def _gauge(metric: MetricWrapperBase) -> float | None:
+    for family in metric.collect():
+        for found in family.samples:
+            return float(found.value)
+    return None

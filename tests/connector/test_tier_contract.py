@@ -210,6 +210,15 @@ def test_events_and_stats(s3_env: None, s3_store: ObjectStore, tmp_path: Path) -
     assert stats is not None
     declared = metric_definitions()
     assert set(stats.data["data"]) <= set(declared)
-    assert stats.data["data"]["vllm:kvstore_write_bytes"][("nvme",)] > 0
+    first = stats.data["data"]["vllm:kvstore_write_bytes"][("nvme",)]
+    assert first > 0
+    assert "vllm:kvstore_nvme_used_bytes" in stats.data["data"]
+    # Asked on every engine step: deltas only, and nothing at all when nothing changed.
+    assert tier.get_stats() is None
+    built.fill(1, data(2))
+    tier.submit_store(job(2, [okey(2)], [1], promotion=False))
+    wait_jobs(tier, {2})
+    again = tier.get_stats()
+    assert again is not None and again.data["data"]["vllm:kvstore_write_bytes"][("nvme",)] == first
     assert set(KVStoreTier.build_metric_definitions({})) == set(declared)
     built.close()
