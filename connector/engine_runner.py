@@ -253,25 +253,33 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=10)
 
 
-def remove_new_shm(before: set[str]) -> None:
+def remove_new_shm(before: set[str], *, grace_s: float = 5.0) -> None:
     """Remove /dev/shm entries created during the run that look like vLLM's or torch's.
 
-    Entries some live process still maps or holds open are left alone: they belong to another engine
-    running at the same time (a benchmark beside the demo, say), not to the one that just stopped."""
+    An entry some live process still maps or holds open is waited for up to `grace_s` (the stopped engine's
+    own children may still be exiting), then left alone: it belongs to another engine running at the same
+    time (a benchmark beside the demo, say), not to the one that just stopped."""
     prefixes = ("vllm", "psm_", "torch_", "sem.mp-", "sem.loky-", "wrk_", "__KMP")
     candidates = [name for name in shm_snapshot() - before if name.startswith(prefixes)]
-    if not candidates:
-        return
-    in_use = shm_in_use()
-    for name in candidates:
-        if name in in_use:
-            continue
-        path = SHM / name
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                path.unlink()
+    deadline = time.monotonic() + grace_s
+    while candidates:
+        in_use = shm_in_use()
+        for name in candidates:
+            if name not in in_use:
+                _remove_shm(SHM / name)
+        candidates = [name for name in candidates if name in in_use]
+        if time.monotonic() >= deadline:
+            return
+        if candidates:
+            time.sleep(0.2)
+
+
+def _remove_shm(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def shm_in_use() -> set[str]:
