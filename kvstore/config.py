@@ -199,7 +199,7 @@ class Settings(BaseSettings):
             return _store_specs(value)
         raise ValueError("expected a store URL or a list of stores (URL strings or tables with 'url')")
 
-    @field_validator("pin_sync_s")
+    @field_validator("pin_sync_s", "prefetch_bytes")
     @classmethod
     def _not_negative(cls, value: float) -> float:
         if value < 0:
@@ -218,13 +218,6 @@ class Settings(BaseSettings):
     def _positive_bytes(cls, value: int) -> int:
         if value <= 0:
             raise ValueError("must be a positive number of bytes")
-        return value
-
-    @field_validator("prefetch_bytes")
-    @classmethod
-    def _bytes_or_off(cls, value: int) -> int:
-        if value < 0:
-            raise ValueError("must be >= 0 (0 turns it off)")
         return value
 
     @field_validator("upload_workers", "io_workers", "remote_workers")
