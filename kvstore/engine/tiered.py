@@ -209,8 +209,8 @@ class TieredStore:
         self._answers.set(key, Presence.MISS)
 
     def probe_async(self, keys: Sequence[str]) -> None:
-        """Find out where `keys` are, in the background: the index first, then the object store, by GET
-        while the prefetch buffer has room (a load is expected to follow), else by HEAD.
+        """Find out where `keys` are, in the background: the index first, then the object store, by GET when
+        prefetching is on (a load is expected to follow), else by HEAD.
         Never blocks (the scheduler calls it)."""
         if keys:
             self._probe_requests.put(list(keys))
