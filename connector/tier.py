@@ -154,7 +154,7 @@ class KVStoreTier(SecondaryTierManager):
         self._submitted = 0
         self._reported = 0
         self._idle = threading.Condition()
-        self._unprobed: list[str] = []
+        self._unprobed: list[tuple[str, int, str]] = []  # (request, token position, chunk key)
         self._stats = TierStats(self._engine.metrics)
         events_on = (
             bool(options.get("enable_kv_events")) and offloading_spec.kv_events_config.enable_kv_cache_events
@@ -186,7 +186,9 @@ class KVStoreTier(SecondaryTierManager):
         chunk = self.namespace.chunk_key(key)
         found = self._engine.lookup_cached(chunk)
         if found is Presence.PENDING:
-            self._unprobed.append(chunk)  # probed as one batch at the end of the step
+            # Probed as one batch at the end of the step, per request in token order (see `probe_prefixes`).
+            position = req_context.get_offload_key_position(key)
+            self._unprobed.append((req_context.req_id, -1 if position is None else position, chunk))
             return LookupResult.RETRY
         return LookupResult.MISS if found is Presence.MISS else LookupResult.HIT
 
@@ -194,7 +196,10 @@ class KVStoreTier(SecondaryTierManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         if self._unprobed:
             batch, self._unprobed = self._unprobed, []
-            self._engine.probe_async(batch)
+            chains: dict[str, list[tuple[int, str]]] = {}
+            for req_id, position, chunk in batch:
+                chains.setdefault(req_id, []).append((position, chunk))
+            self._engine.probe_prefixes([[chunk for _, chunk in sorted(chain)] for chain in chains.values()])
             self._update_switch_interval()
 
     @override

@@ -121,7 +121,7 @@ class TieredStore:
         self._answers = AnswerCache(
             local_ttl_s=local_ttl_s, remote_ttl_s=probe_hit_ttl_s, miss_ttl_s=probe_miss_ttl_s, clock=clock
         )
-        self._probe_requests: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
+        self._probe_requests: queue.SimpleQueue[list[list[str]]] = queue.SimpleQueue()
         self._probing: set[str] = set()
         self._touches: deque[Sequence[str]] = deque()
         self._lock = threading.Lock()
@@ -213,7 +213,17 @@ class TieredStore:
         prefetching is on (a load is expected to follow), else by HEAD.
         Never blocks (the scheduler calls it)."""
         if keys:
-            self._probe_requests.put(list(keys))
+            self._probe_requests.put([[key] for key in keys])
+
+    def probe_prefixes(self, chains: Sequence[Sequence[str]]) -> None:
+        """Like `probe_async`, for prefix lookups: each chain is one request's unknown keys in token order.
+
+        A request can only use the chunks before its first miss, so when probing by GET the first key of
+        every chain is asked first, and a chain stops at its first miss: the keys after it stay unanswered (asked again if anyone
+        still wants them) instead of costing a request each. A request waits for the answer up to its first
+        miss, not for the slowest of all its keys."""
+        if chains:
+            self._probe_requests.put([list(chain) for chain in chains if chain])
 
     @property
     def probes_in_flight(self) -> int:
@@ -235,59 +245,87 @@ class TieredStore:
         """The one thread that answers probes and applies buffered touches (off the scheduler thread)."""
         while not self._stopping.is_set():
             try:
-                batch = self._probe_requests.get(timeout=0.2)
+                chains = self._probe_requests.get(timeout=0.2)
             except queue.Empty:
                 self._apply_touches()
                 continue
-            while len(batch) < _MAX_PENDING_PROBES:
+            while sum(map(len, chains)) < _MAX_PENDING_PROBES:
                 try:
-                    batch.extend(self._probe_requests.get_nowait())
+                    chains.extend(self._probe_requests.get_nowait())
                 except queue.Empty:
                     break
-            keys = [k for k in dict.fromkeys(batch) if self._answers.get(k) is None]
-            self._probing.update(keys)
+            chains = self._unanswered(chains)
+            self._probing.update(key for chain in chains for key in chain)
             try:
-                self._answer(keys)
+                self._answer(chains)
             except Exception:  # a probe must never kill the thread; unanswered keys are asked again
-                log.exception("probe of %d chunks failed", len(keys))
+                log.exception("probe of %d chunks failed", len(self._probing))
             finally:
                 self._probing.clear()
             self._apply_touches()
 
-    def _answer(self, keys: list[str]) -> None:
-        local = self.cache.contains_many(keys) if self.cache is not None else [False] * len(keys)
-        elsewhere = []
-        for key, here in zip(keys, local, strict=True):
-            if here:
-                self._answers.set(key, Presence.LOCAL)
-            else:
-                elsewhere.append(key)
-        if elsewhere:
-            if self.store is None or not self._store_available():
-                for key in elsewhere:
-                    self._answers.set(key, Presence.MISS)
-            elif self._prefetched.enabled:
-                self._prefetch(elsewhere)
-            else:
-                self._probe_store(elsewhere)
+    def _unanswered(self, chains: list[list[str]]) -> list[list[str]]:
+        """The chains with answered keys left out, each key in one chain only (its first)."""
+        seen: set[str] = set()
+        out: list[list[str]] = []
+        for chain in chains:
+            left = [k for k in dict.fromkeys(chain) if k not in seen and self._answers.get(k) is None]
+            seen.update(left)
+            if left:
+                out.append(left)
+        return out
 
-    def _prefetch(self, keys: Sequence[str]) -> None:
+    def _answer(self, chains: list[list[str]]) -> None:
+        keys = [key for chain in chains for key in chain]
+        here = self.cache.contains_many(keys) if self.cache is not None else [False] * len(keys)
+        local = {key for key, cached in zip(keys, here, strict=True) if cached}
+        for key in local:
+            self._answers.set(key, Presence.LOCAL)
+        elsewhere = [[k for k in chain if k not in local] for chain in chains]
+        elsewhere = [chain for chain in elsewhere if chain]
+        if not elsewhere:
+            return
+        if self.store is None or not self._store_available():
+            for chain in elsewhere:
+                for key in chain:
+                    self._answers.set(key, Presence.MISS)
+        elif self._prefetched.enabled:
+            self._prefetch(elsewhere)
+        else:
+            self._probe_store([key for chain in elsewhere for key in chain])
+
+    def _prefetch(self, chains: list[list[str]]) -> None:
         """Probe by GET: hits wait in the prefetch buffer for the load that follows (verified there).
 
-        Each answer is published as soon as its GET returns: the workers take the keys in order, so vLLM sees
-        a growing prefix of hits and starts loading it while the rest is still on the wire."""
+        Keys are asked rank by rank over the chains (every chain's first key, then every second key...) and
+        each answer is published as soon as its GET returns, so vLLM sees a growing prefix of hits and
+        starts loading it while the rest is still on the wire. A chain stops at its first miss."""
         assert self.store is not None
         store = self.store
+        order = [
+            (c, rank)
+            for rank in range(max(map(len, chains)))
+            for c, chain in enumerate(chains)
+            if rank < len(chain)
+        ]
+        first_miss = [len(chain) for chain in chains]
 
-        def fetch(key: str) -> bool:
+        def fetch(at: tuple[int, int]) -> bool:
+            c, rank = at
+            if rank > first_miss[c]:  # past a miss: this request cannot use it
+                return False
+            key = chains[c][rank]
             blob, region = get_located(store, key)
-            if blob is not None:
-                self._prefetched.offer(key, blob, region)  # no room: still a hit, the load GETs it again
-            self._answers.set(key, Presence.MISS if blob is None else Presence.REMOTE)
-            return blob is not None
+            if blob is None:
+                first_miss[c] = min(first_miss[c], rank)
+                self._answers.set(key, Presence.MISS)
+                return False
+            self._prefetched.offer(key, blob, region)  # no room: still a hit, the load GETs it again
+            self._answers.set(key, Presence.REMOTE)
+            return True
 
         try:
-            self._map_parallel(fetch, keys)
+            self._map_parallel(fetch, order)
         except StoreError as exc:  # keys answered before the failure stand; the rest are asked again
             self._store_failed("get", exc)
 
@@ -364,16 +402,16 @@ class TieredStore:
         return self._map_parallel(lambda i: load(*items[i]), indices)
 
     def _map_parallel(self, fn: Callable[[_T], bool], args: Sequence[_T]) -> list[bool]:
-        """`fn` over `args` on the io workers, one task per worker over a stride (no future per item)."""
-        stride = min(self._io_workers, len(args))
-
-        def run(first: int) -> list[bool]:
-            return [fn(arg) for arg in args[first::stride]]
-
-        parts = [f.result() for f in [self._io.submit(run, first) for first in range(stride)]]
+        """`fn` over `args` on the io workers, which take the items in order (no future per item)."""
         out = [False] * len(args)
-        for first, part in enumerate(parts):
-            out[first::stride] = part
+        todo = iter(range(len(args)))  # shared: a range iterator hands each index to one worker
+
+        def run() -> None:
+            for i in todo:
+                out[i] = fn(args[i])
+
+        for future in [self._io.submit(run) for _ in range(min(self._io_workers, len(args)))]:
+            future.result()
         return out
 
     def get(self, key: str) -> bytes | None:

@@ -149,6 +149,33 @@ def test_probe_fetches_hits_so_the_load_needs_no_second_round(
     engine.close()
 
 
+def test_prefix_probe_asks_first_keys_first_and_stops_a_chain_at_its_miss(
+    s3_store: ObjectStore, metrics: EngineMetrics, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second = keys(5, "chain-a"), keys(3, "chain-b")
+    fill(s3_store, metrics, first[:2] + second)  # the first request's prefix ends after two chunks
+    asked: list[str] = []
+    real_get = s3_store.get
+
+    def recording_get(key: str) -> bytes | None:
+        asked.append(key)
+        return real_get(key)
+
+    monkeypatch.setattr(s3_store, "get", recording_get)
+    engine = make_engine(s3_store, None, metrics, io_workers=1)
+    engine.probe_prefixes([first, second])
+    deadline = time.monotonic() + 10
+    while engine.lookup_cached(second[-1]) is Presence.PENDING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # Rank by rank over the requests, and nothing past the first request's miss.
+    assert asked == [first[0], second[0], first[1], second[1], first[2], second[2]]
+    assert [engine.lookup_cached(k) for k in first] == [Presence.REMOTE] * 2 + [Presence.MISS] + [
+        Presence.PENDING
+    ] * 2
+    assert [engine.lookup_cached(k) for k in second] == [Presence.REMOTE] * 3
+    engine.close()
+
+
 def test_corrupt_prefetched_chunk_is_never_served(s3_store: ObjectStore, metrics: EngineMetrics) -> None:
     names = keys(1, "prefetch-corrupt")
     fill(s3_store, metrics, names)
