@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvstore.connector.tier_metrics import TierStats, metric_definitions
+from kvstore.connector.tier_metrics import BackgroundStats, TierStats, metric_definitions
 from prometheus_client import CollectorRegistry
 from typing_extensions import override
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -84,6 +84,7 @@ _TIER_OPTIONS = {
     "access_records",
     "access_flush_s",
     "gil_switch_interval_s",
+    "stats_interval_s",
 }
 
 
@@ -155,7 +156,9 @@ class KVStoreTier(SecondaryTierManager):
         self._reported = 0
         self._idle = threading.Condition()
         self._unprobed: list[tuple[str, int, str]] = []  # (request, token position, chunk key)
-        self._stats = TierStats(self._engine.metrics)
+        self._stats = BackgroundStats(
+            TierStats(self._engine.metrics), interval_s=float(options.get("stats_interval_s", 0.5))
+        )
         events_on = (
             bool(options.get("enable_kv_events")) and offloading_spec.kv_events_config.enable_kv_cache_events
         )
@@ -260,6 +263,7 @@ class KVStoreTier(SecondaryTierManager):
             self._jobs.put(None)
         for worker in self._workers:
             worker.join()
+        self._stats.close()
         if self._access is not None:
             self._access.close()
         if self._pin_sync is not None:
@@ -282,7 +286,8 @@ class KVStoreTier(SecondaryTierManager):
 
     @override
     def get_stats(self) -> OffloadingConnectorStats | None:
-        stats: OffloadingConnectorStats | None = self._stats.collect()
+        # Busy: what the stats thread collected. Going idle: everything up to now, as vLLM stops asking.
+        stats: OffloadingConnectorStats | None = self._stats.take(now=not self.has_pending_work())
         return stats
 
     # ----------------------------------------------------------- job threads

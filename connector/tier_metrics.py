@@ -1,14 +1,18 @@
 """The tier's figures on vLLM's own `/metrics`, through the offloading connector's metric hooks.
 
-vLLM asks each tier for metric definitions once (`build_metric_definitions`) and then, every logging
-interval, for the observations since the last call (`get_stats`). The engine keeps cumulative Prometheus
-counters; this module turns them into deltas in vLLM's `OffloadingConnectorStats` shape.
+vLLM asks each tier for metric definitions once (`build_metric_definitions`) and then, on every engine step,
+for the observations since the last call (`get_stats`). The engine keeps cumulative Prometheus counters; this
+module turns them into deltas in vLLM's `OffloadingConnectorStats` shape, on a thread of its own.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from typing import cast
 
 from prometheus_client.metrics import MetricWrapperBase
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -19,6 +23,8 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvstore.metrics import EngineMetrics
+
+log = logging.getLogger(__name__)
 
 QUERIES = "vllm:kvstore_chunk_queries"
 HITS = "vllm:kvstore_chunk_hits"
@@ -62,11 +68,11 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
 
 
 class TierStats:
-    """Turns the engine's cumulative counters into per-step deltas for vLLM.
+    """Turns the engine's cumulative counters into deltas for vLLM.
 
-    vLLM asks on every engine step, on the scheduler thread, so this reads only the metric families it reports
-    (never a whole-registry collection, which costs about a millisecond) and the NVMe usage, an index read, at
-    most once per `usage_every_s`.
+    Reads only the metric families it reports (never a whole-registry collection, which costs about a
+    millisecond) and the NVMe usage, an index read, at most once per `usage_every_s`; the usage gauges are
+    reported when they change.
     """
 
     def __init__(
@@ -81,6 +87,7 @@ class TierStats:
         self._usage_every = usage_every_s
         self._clock = clock
         self._usage_at = float("-inf")
+        self._usage: tuple[float, float] | None = None
 
     def _changes(self, name: str, metric: MetricWrapperBase, sample: str, label: str) -> dict[str, float]:
         """Per label value, how much the cumulative `sample` grew since the previous call."""
@@ -110,10 +117,61 @@ class TierStats:
             self._usage_at = now
             used = _gauge(self._metrics.nvme_used_bytes)
             budget = _gauge(self._metrics.nvme_budget_bytes)
-            if used is not None and budget is not None:
+            if used is not None and budget is not None and (used, budget) != self._usage:
+                self._usage = (used, budget)
                 stats.set_gauge(NVME_USED, used)
                 stats.set_gauge(NVME_BUDGET, budget)
         return None if stats.is_empty() else stats
+
+
+class BackgroundStats:
+    """Collects `TierStats` deltas every `interval_s` on its own thread; `take` hands over what is ready.
+
+    vLLM asks for stats on every engine step, on the scheduler thread. Reading the counters there takes the
+    metrics' locks, which the tier's busy I/O threads hold too, and every wait for one hands the GIL away;
+    taking a ready delta from a deque costs nothing. While the tier is busy the figures arrive at most
+    `interval_s` late; `take(now=True)`, for the step where the tier goes idle, also collects what happened
+    since, because vLLM may not ask again for a while.
+    """
+
+    def __init__(self, stats: TierStats, interval_s: float = 0.5) -> None:
+        self._stats = stats
+        self._interval = interval_s
+        self._lock = threading.Lock()  # one collector at a time: deltas are taken against shared state
+        self._ready: deque[OffloadingConnectorStats] = deque()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvstore-tier-stats", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._collect()
+
+    def _collect(self) -> None:
+        try:
+            with self._lock:
+                delta = self._stats.collect()
+        except Exception:  # a metrics bug must not stop the figures for good
+            log.exception("could not collect tier stats")
+            return
+        if delta is not None:
+            self._ready.append(delta)
+
+    def take(self, *, now: bool = False) -> OffloadingConnectorStats | None:
+        """What was collected since the last call, as one delta (None if nothing changed); with `now`,
+        up to this moment."""
+        if now:
+            self._collect()
+        if not self._ready:
+            return None
+        out = self._ready.popleft()
+        while self._ready:
+            out = cast(OffloadingConnectorStats, out.aggregate(self._ready.popleft()))
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _gauge(metric: MetricWrapperBase) -> float | None:

