@@ -483,7 +483,8 @@ def bench_vllm(
         pacing = f"{s.step_interval_ms:.0f} ms between steps" if s.step_interval_ms else "steps back to back"
         work = "stores and loads" if s.loads_every_step else "stores only"
         console.print(
-            f"scheduler thread ({pacing}, {work}): {s.mean_ms_per_step:.3f} ms/step mean, "
+            f"scheduler thread ({pacing}, {work}): {s.mean_ms_per_step:.3f} ms/step mean "
+            f"({s.cpu_ms_per_step:.3f} ms of its own CPU, the rest waiting for the GIL), "
             f"{s.p99_ms_per_step:.3f} ms p99 over {s.steps} steps, "
             f"up to {s.max_in_flight_chunks} chunks in flight"
         )
