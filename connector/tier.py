@@ -15,13 +15,14 @@ marked missing, so the scheduler does not ask for it again and again.
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import queue
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Collection, Iterable
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from kvstore.connector.tier_metrics import BackgroundStats, TierStats, metric_definitions
 from prometheus_client import CollectorRegistry
@@ -86,6 +87,36 @@ _TIER_OPTIONS = {
     "gil_switch_interval_s",
     "stats_interval_s",
 }
+
+
+class UnknownChunk(NamedTuple):
+    """A chunk the scheduler looked up that the tier must probe."""
+
+    req_id: str
+    group: bytes  # the KV-cache group, the last bytes of vLLM's offload key
+    position: int | None  # end token of the chunk in its request, as vLLM records it
+    key: str
+
+
+def prefix_chains(lookups: Sequence[UnknownChunk]) -> list[list[str]]:
+    """The probe order for one step's unknown chunks (see `TieredStore.probe_prefixes`).
+
+    vLLM scans a full-attention group from the first chunk on and can use only the chunks before the first
+    miss: such a run (positions ascending) becomes one chain. A sliding-window group is scanned from the end
+    and can use a suffix after a miss, so a run in any other order is probed key by key, every key counting.
+    """
+    runs: dict[tuple[str, bytes], list[UnknownChunk]] = {}
+    for chunk in lookups:
+        runs.setdefault((chunk.req_id, chunk.group), []).append(chunk)
+    chains: list[list[str]] = []
+    for run in runs.values():
+        positions = [c.position for c in run]
+        ascending = all(a is not None and b is not None and a < b for a, b in itertools.pairwise(positions))
+        if ascending:
+            chains.append([c.key for c in run])
+        else:
+            chains.extend([c.key] for c in run)
+    return chains
 
 
 class KVStoreTier(SecondaryTierManager):
@@ -155,7 +186,7 @@ class KVStoreTier(SecondaryTierManager):
         self._submitted = 0
         self._reported = 0
         self._idle = threading.Condition()
-        self._unprobed: list[tuple[str, int, str]] = []  # (request, token position, chunk key)
+        self._unprobed: list[UnknownChunk] = []
         self._stats = BackgroundStats(
             TierStats(self._engine.metrics), interval_s=float(options.get("stats_interval_s", 0.5))
         )
@@ -189,9 +220,9 @@ class KVStoreTier(SecondaryTierManager):
         chunk = self.namespace.chunk_key(key)
         found = self._engine.lookup_cached(chunk)
         if found is Presence.PENDING:
-            # Probed as one batch at the end of the step, per request in token order (see `probe_prefixes`).
+            # Probed as one batch at the end of the step, per request and group in lookup order.
             position = req_context.get_offload_key_position(key)
-            self._unprobed.append((req_context.req_id, -1 if position is None else position, chunk))
+            self._unprobed.append(UnknownChunk(req_context.req_id, key[-4:], position, chunk))
             return LookupResult.RETRY
         return LookupResult.MISS if found is Presence.MISS else LookupResult.HIT
 
@@ -199,10 +230,7 @@ class KVStoreTier(SecondaryTierManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         if self._unprobed:
             batch, self._unprobed = self._unprobed, []
-            chains: dict[str, list[tuple[int, str]]] = {}
-            for req_id, position, chunk in batch:
-                chains.setdefault(req_id, []).append((position, chunk))
-            self._engine.probe_prefixes([[chunk for _, chunk in sorted(chain)] for chain in chains.values()])
+            self._engine.probe_prefixes(prefix_chains(batch))
             self._update_switch_interval()
 
     @override

