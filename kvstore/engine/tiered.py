@@ -216,12 +216,13 @@ class TieredStore:
             self._probe_requests.put([[key] for key in keys])
 
     def probe_prefixes(self, chains: Sequence[Sequence[str]]) -> None:
-        """Like `probe_async`, for prefix lookups: each chain is one request's unknown keys in token order.
+        """Like `probe_async`, for prefix lookups: a chain is the unknown keys of one request (and KV-cache
+        group) in token order.
 
         A request can only use the chunks before its first miss, so when probing by GET the first key of
-        every chain is asked first, and a chain stops at its first miss: the keys after it stay unanswered (asked again if anyone
-        still wants them) instead of costing a request each. A request waits for the answer up to its first
-        miss, not for the slowest of all its keys."""
+        every chain is asked first, and a chain stops at its first miss: the keys after it stay unanswered
+        (asked again if anyone still wants them) instead of costing a request each. A request waits for the
+        answer up to its first miss, not for the slowest of all its keys."""
         if chains:
             self._probe_requests.put([list(chain) for chain in chains if chain])
 
