@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,38 @@ def test_restart_keeps_ports_and_data(tmp_path: Path) -> None:
             server.restart()
             assert server.endpoint == endpoint
             assert store.get("a") == b"1"
+
+
+def test_space_of_deleted_objects_is_reclaimed_at_the_next_start(tmp_path: Path) -> None:
+    data_dir = tmp_path / "embedded"
+
+    def volume_bytes() -> int:
+        return sum(f.stat().st_size for f in (data_dir / "weed").glob("*.dat"))
+
+    server = ensure_embedded_server(data_dir, bucket="kvb")
+    keys = [f"bench/{i}" for i in range(24)]
+    try:
+        with S3Store(
+            "kvb", endpoint=server.endpoint, access_key=server.access_key, secret_key=server.secret_key
+        ) as store:
+            for key in keys:
+                store.put(key, bytes(1 << 20))
+            store.put("kept", b"live data survives the compaction")
+            store.delete_many(keys)  # what a benchmark or GC does at its end
+    finally:
+        server.stop()
+    assert volume_bytes() >= 24 << 20  # deleting only marks the space
+
+    again = ensure_embedded_server(data_dir, bucket="kvb")
+    try:
+        deadline = time.monotonic() + 30
+        while volume_bytes() >= 8 << 20 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert volume_bytes() < 8 << 20
+        with S3Store(
+            "kvb", endpoint=again.endpoint, access_key=again.access_key, secret_key=again.secret_key
+        ) as store:
+            assert store.get("kept") == b"live data survives the compaction"
+            assert store.get(keys[0]) is None
+    finally:
+        again.stop()
