@@ -18,6 +18,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 __all__ = ["SeaweedServer", "ensure_embedded_server", "find_weed_binary"]
 
 _HOST = "127.0.0.1"
+_GRPC_SOCKET_DIR = Path("/tmp")
 # Written and read back on every start: proves that S3 auth, the filer and the volume server all answer
 # (after a restart `/healthz` and bucket listings succeed before volumes are readable again).
 _PROBE_BUCKET = "kvstore-embedded-probe"
@@ -194,7 +196,13 @@ class SeaweedServer:
         if len(str(sockets)) < 80:
             flags["filer.localSocket"] = str(sockets / "filer.sock")
             flags["s3.localSocket"] = str(sockets / "s3.sock")
-        return [str(self._binary), "mini", *(f"-{name}={value}" for name, value in flags.items())]
+        # -logtostderr: its log goes to weed.log only, not also to glog files in /tmp.
+        return [
+            str(self._binary),
+            "-logtostderr",
+            "mini",
+            *(f"-{name}={value}" for name, value in flags.items()),
+        ]
 
     def start(self, timeout: float = 30.0) -> None:
         """Launch the server (on the previous ports if it ran before) and wait until S3 really serves."""
@@ -288,9 +296,21 @@ class SeaweedServer:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+            self._remove_grpc_sockets()
         if self._log is not None:
             self._log.close()
             self._log = None
+
+    def _remove_grpc_sockets(self) -> None:
+        """weed binds its local gRPC sockets at /tmp/seaweedfs-<service>-grpc-<port>.sock, a path it does not
+        let us choose, and leaves some behind when it exits: remove the ones on this server's ports."""
+        if self._ports is None:
+            return
+        for port in self._ports.by_flag.values():
+            for path in _GRPC_SOCKET_DIR.glob(f"seaweedfs-*-{port}.sock"):
+                with contextlib.suppress(OSError):
+                    if stat.S_ISSOCK(path.lstat().st_mode):
+                        path.unlink()
 
     def restart(self, timeout: float = 30.0) -> None:
         """Stop and start again on the same ports, data and credentials."""

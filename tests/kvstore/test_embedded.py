@@ -16,8 +16,15 @@ from kvstore.stores import S3Store
 pytestmark = pytest.mark.integration
 
 
+def litter() -> set[Path]:
+    """What weed would leave in /tmp: local gRPC sockets and glog files."""
+    tmp = Path("/tmp")
+    return set(tmp.glob("seaweedfs-*.sock")) | set(tmp.glob("weed.*"))
+
+
 def test_credentials_persist_with_0600_and_are_reused(tmp_path: Path) -> None:
     data_dir = tmp_path / "embedded"
+    before = litter()
     server = ensure_embedded_server(data_dir, bucket="kvb")
     try:
         creds_file = data_dir / "credentials.json"
@@ -50,6 +57,7 @@ def test_credentials_persist_with_0600_and_are_reused(tmp_path: Path) -> None:
             assert store.get("k") == b"persisted"
     finally:
         again.stop()
+    assert litter() <= before  # its sockets and logs went with it (the log is weed.log in the data dir)
 
 
 def test_a_running_embedded_server_is_shared_not_started_twice(tmp_path: Path) -> None:
