@@ -250,11 +250,14 @@ class TieredStore:
             except queue.Empty:
                 self._apply_touches()
                 continue
-            while sum(map(len, chains)) < _MAX_PENDING_PROBES:
+            pending = sum(map(len, chains))
+            while pending < _MAX_PENDING_PROBES:
                 try:
-                    chains.extend(self._probe_requests.get_nowait())
+                    more = self._probe_requests.get_nowait()
                 except queue.Empty:
                     break
+                chains.extend(more)
+                pending += sum(map(len, more))
             chains = self._unanswered(chains)
             self._probing.update(key for chain in chains for key in chain)
             try:
