@@ -66,18 +66,21 @@ class ChunkHeader:
         return HEADER_SIZE + self.payload_length
 
 
-# Hash in pieces of at most 64 KiB: xxhash hands the GIL away for anything larger, and inside vLLM every
-# hand-off can cost a wait for the busy scheduler thread that dwarfs the ~3 us the piece takes to hash.
-# The same pieces keep copy-and-verify in the CPU cache: one pass over memory instead of two.
+# Hash in pieces of at most 64 KiB: xxhash hands the GIL away for anything larger, and on the load path inside
+# vLLM every hand-off can cost a wait for the busy scheduler thread that dwarfs the ~3 us the piece takes to
+# hash. The same pieces keep copy-and-verify in the CPU cache: one pass over memory instead of two.
 _PIECE = 64 * 1024
 
 
-def checksum(data: bytes | memoryview) -> bytes:
-    """xxh3-128 of `data` (~20+ GB/s, so verifying every read costs little next to the copy itself)."""
+def checksum(data: bytes | memoryview, *, release_gil: bool = False) -> bytes:
+    """xxh3-128 of `data` (~20+ GB/s, so verifying every read costs little next to the copy itself).
+
+    `release_gil`: hash in one call, which lets other threads run meanwhile. For write-behind work (stores),
+    where yielding to the scheduler thread matters more than getting the GIL back quickly."""
     view = memoryview(data)
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
-    if len(view) <= _PIECE:
+    if release_gil or len(view) <= _PIECE:
         return xxhash.xxh3_128_digest(view)
     hasher = xxhash.xxh3_128()
     for start in range(0, len(view), _PIECE):
@@ -130,18 +133,22 @@ def encode(
     *,
     element_width: int = 2,
     level: int = 1,
-) -> bytes:
-    """Wrap `raw` in a chunk. `element_width` is the KV dtype's size (2 for bf16)."""
+) -> memoryview:
+    """Wrap `raw` in a chunk (a read-only buffer). `element_width` is the KV dtype's size (2 for bf16)."""
     raw_view = memoryview(raw).cast("B")
-    digest = checksum(raw_view)
+    digest = checksum(raw_view, release_gil=True)  # chunks are encoded by writers, never on a load path
     if codec is Codec.NONE:
-        header = _HEADER.pack(MAGIC, FORMAT_VERSION, codec, 1, len(raw_view), len(raw_view), digest)
-        return b"".join((header, raw_view))
-    width = element_width if element_width > 1 and len(raw_view) % element_width == 0 else 1
-    shuffled = _shuffle(raw_view, width) if width > 1 else raw_view
-    payload = zstandard.ZstdCompressor(level=level).compress(shuffled)
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, codec, width, len(raw_view), len(payload), digest)
-    return b"".join((header, payload))
+        width, payload = 1, raw_view
+    else:
+        width = element_width if element_width > 1 and len(raw_view) % element_width == 0 else 1
+        shuffled = _shuffle(raw_view, width) if width > 1 else raw_view
+        payload = memoryview(zstandard.ZstdCompressor(level=level).compress(shuffled))
+    blob = np.empty(HEADER_SIZE + len(payload), dtype=np.uint8)
+    _HEADER.pack_into(blob.data, 0, MAGIC, FORMAT_VERSION, codec, width, len(raw_view), len(payload), digest)
+    # numpy copies without holding the GIL (bytes concatenation would hold it for the whole copy): inside
+    # vLLM every stored chunk passes through here, on threads that share the GIL with the scheduler.
+    blob[HEADER_SIZE:] = np.frombuffer(payload, dtype=np.uint8)
+    return blob.data.toreadonly()
 
 
 def decode_into(blob: bytes | memoryview, dest: memoryview) -> None:

@@ -92,13 +92,17 @@ class ChunkFiles:
         """`path` as a plain string: the load hot path, where pathlib's overhead shows."""
         return f"{self._root_str}/{self.relpath(key, token)}"
 
-    def write(self, key: str, token: bytes, blob: bytes | memoryview) -> Path:
+    def write(self, key: str, token: bytes, blob: bytes | memoryview) -> str:
         """Write ``blob`` under a tmp name, then rename it to its final name; returns the final path.
 
         Raises OSError (disk full, directory removed, ...); no partial file is left under a final name.
         """
-        final = self.path(key, token)
-        tmp = self._tmp / f"{final.name}{TMP_SUFFIX}"
+        # Plain strings: this runs once per stored chunk, inside vLLM, where pathlib's overhead holds the GIL.
+        digest = key_digest(key)
+        name = f"{digest}.{token.hex()}"
+        folder = f"{self._root_str}/{CHUNKS_DIR}/{digest[:2]}"
+        final = f"{folder}/{name}"
+        tmp = f"{self._root_str}/{TMP_DIR}/{name}{TMP_SUFFIX}"
         try:
             with open(tmp, "xb") as f:
                 f.write(blob)
@@ -109,10 +113,11 @@ class ChunkFiles:
                 os.rename(tmp, final)
             except FileNotFoundError:
                 # First admission into this fan-out directory (or fsck removed an empty one): create, retry.
-                final.parent.mkdir(exist_ok=True)
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(folder)
                 os.rename(tmp, final)
             if self.fsync:
-                _fsync_dir(final.parent)
+                _fsync_dir(folder)
         except BaseException:
             self.unlink_path(tmp)
             raise
@@ -129,9 +134,9 @@ class ChunkFiles:
     def unlink(self, key: str, token: bytes) -> None:
         self.unlink_path(self.path(key, token))
 
-    def unlink_path(self, path: Path) -> None:
+    def unlink_path(self, path: str | Path) -> None:
         with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+            os.unlink(path)
 
     def scan(self) -> Iterator[DiskFile]:
         """Every file under ``chunks/`` and ``tmp/`` (fsck's view of the disk)."""
@@ -156,7 +161,7 @@ class ChunkFiles:
             yield DiskFile(name=name, size=st.st_size, mtime_ns=st.st_mtime_ns, is_tmp=is_tmp)
 
 
-def _fsync_dir(directory: Path) -> None:
+def _fsync_dir(directory: str | Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

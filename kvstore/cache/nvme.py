@@ -113,7 +113,10 @@ class NVMeCache:
                 if size > self.budget_bytes or known is not None:
                     continue  # cheap early exits before any bytes are written
                 entry = Entry(
-                    size=size, checksum=checksum(blob), last_access_ns=time.time_ns(), token=new_token()
+                    size=size,
+                    checksum=checksum(blob, release_gil=True),
+                    last_access_ns=time.time_ns(),
+                    token=new_token(),
                 )
                 self._files.write(key, entry.token, blob)
                 written.append((i, key, entry))

@@ -570,7 +570,7 @@ class TieredStore:
         reused (every byte needed later has been copied)."""
         queued = skipped = dropped = 0
         in_cache = self.cache.contains_many([k for k, _ in items]) if self.cache is not None else None
-        fresh: list[tuple[str, bytes]] = []
+        fresh: list[tuple[str, bytes | memoryview]] = []
         for i, (key, raw) in enumerate(items):
             cached = in_cache[i] if in_cache is not None else False
             remote = self._answers.get(key) is Presence.REMOTE
@@ -593,7 +593,7 @@ class TieredStore:
         written = sum(self._write_nvme(fresh)) if self.cache is not None and fresh else 0
         return StoreOutcome(written=written, queued=queued, skipped=skipped, dropped=dropped)
 
-    def _write_nvme(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+    def _write_nvme(self, items: Sequence[tuple[str, bytes | memoryview]]) -> list[bool]:
         """Admit chunks to NVMe as one batch (one index commit); per chunk, whether it was admitted."""
         assert self.cache is not None
         start = time.perf_counter()

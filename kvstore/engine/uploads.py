@@ -16,7 +16,7 @@ class UploadQueue:
         self._max_bytes = max_bytes
         self._bytes = 0
         self._order: deque[str] = deque()
-        self._blobs: dict[str, bytes] = {}  # queued or being uploaded
+        self._blobs: dict[str, bytes | memoryview] = {}  # queued or being uploaded
         self._in_flight = 0
         self._cond = threading.Condition()
         self._closed = False
@@ -25,7 +25,7 @@ class UploadQueue:
     def queued_bytes(self) -> int:
         return self._bytes
 
-    def offer(self, key: str, blob: bytes) -> bool:
+    def offer(self, key: str, blob: bytes | memoryview) -> bool:
         """Queue `blob`; False when it does not fit (or the queue is closed). Duplicates are accepted once."""
         with self._cond:
             if self._closed or self._bytes + len(blob) > self._max_bytes:
@@ -37,7 +37,7 @@ class UploadQueue:
                 self._cond.notify()
             return True
 
-    def take(self, timeout: float) -> tuple[str, bytes] | None:
+    def take(self, timeout: float) -> tuple[str, bytes | memoryview] | None:
         """Next chunk to upload, or None after `timeout` seconds / once closed and empty."""
         with self._cond:
             if not self._order and not self._closed:
@@ -56,7 +56,7 @@ class UploadQueue:
             self._in_flight -= 1
             self._cond.notify_all()
 
-    def pending(self, key: str) -> bytes | None:
+    def pending(self, key: str) -> bytes | memoryview | None:
         # Lock-free on purpose: called from the scheduler thread; a dict read is atomic.
         return self._blobs.get(key)
 

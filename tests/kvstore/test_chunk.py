@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 
 import numpy as np
@@ -64,7 +65,7 @@ def test_truncation_is_rejected(codec: Codec) -> None:
         with pytest.raises(ChunkFormatError):
             decode(blob[:cut])
     with pytest.raises(ChunkFormatError):
-        decode(blob + b"\0")
+        decode(bytes(blob) + b"\0")
 
 
 def test_malformed_headers() -> None:
@@ -106,3 +107,8 @@ def test_codec_names() -> None:
     assert Codec.parse("zstd") is Codec.ZSTD and Codec.parse("NONE") is Codec.NONE
     with pytest.raises(ConfigError, match="codec"):
         Codec.parse("lz5")
+
+
+def test_checksum_in_one_call_equals_the_piecewise_one() -> None:
+    data = os.urandom(256 * 1024 + 7)
+    assert checksum(data, release_gil=True) == checksum(data) == xxhash.xxh3_128_digest(data)
