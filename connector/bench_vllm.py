@@ -170,7 +170,10 @@ def bench_scheduler(
                 make_offload_key(hashlib.sha256(f"b{next_block + i}".encode()).digest(), 0) for i in range(32)
             ]
             next_block += 32
+            # One engine step, in the order vLLM calls the tier: the scheduling pass (finished jobs,
+            # lookups, new jobs, end of pass), the model (the pause below), then its output (events, stats).
             start, cpu_start = time.perf_counter(), time.thread_time()
+            finished = list(tier.get_finished_jobs())
             for key in new_keys:
                 tier.lookup(key, req)
             job_id += 1
@@ -182,17 +185,20 @@ def bench_scheduler(
                 tier.submit_load(TransferJob(job_id, load_keys, ids + slots // 2, True, req))
                 in_flight += len(load_keys)
             in_flight += 32
-            finished = list(tier.get_finished_jobs())
             tier.on_schedule_end(None)
+            elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
+            if step_interval_s:
+                time.sleep(step_interval_s)
+            start, cpu_start = time.perf_counter(), time.thread_time()
             list(tier.take_events())
             tier.get_stats()  # vLLM collects connector stats on every step
-            per_step.append(time.perf_counter() - start)
-            cpu_per_step.append(time.thread_time() - cpu_start)
+            elapsed += time.perf_counter() - start
+            cpu += time.thread_time() - cpu_start
+            per_step.append(elapsed)
+            cpu_per_step.append(cpu)
             in_flight -= 32 * len(finished)
             max_in_flight = max(max_in_flight, in_flight)
             stored.extend(new_keys)
-            if step_interval_s:
-                time.sleep(step_interval_s)
         tier.drain_jobs()
         node.close()
     ordered = sorted(per_step)
