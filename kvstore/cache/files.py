@@ -61,6 +61,7 @@ class ChunkFiles:
         self.fsync = fsync
         self._chunks = self.root / CHUNKS_DIR
         self._tmp = self.root / TMP_DIR
+        self._tmp_str = str(self._tmp)
         try:
             self._tmp.mkdir(parents=True, exist_ok=True)
             self._chunks.mkdir(exist_ok=True)
@@ -98,11 +99,9 @@ class ChunkFiles:
         Raises OSError (disk full, directory removed, ...); no partial file is left under a final name.
         """
         # Plain strings: this runs once per stored chunk, inside vLLM, where pathlib's overhead holds the GIL.
-        digest = key_digest(key)
-        name = f"{digest}.{token.hex()}"
-        folder = f"{self._root_str}/{CHUNKS_DIR}/{digest[:2]}"
-        final = f"{folder}/{name}"
-        tmp = f"{self._root_str}/{TMP_DIR}/{name}{TMP_SUFFIX}"
+        final = self.path_str(key, token)
+        folder, name = final.rsplit("/", 1)
+        tmp = f"{self._tmp_str}/{name}{TMP_SUFFIX}"
         try:
             with open(tmp, "xb") as f:
                 f.write(blob)
