@@ -18,12 +18,12 @@ import gc
 import itertools
 import logging
 import queue
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
-from kvstore.connector.switch_interval import SwitchInterval
 from kvstore.connector.tier_metrics import BackgroundStats, TierStats, metric_definitions
 from prometheus_client import CollectorRegistry
 from typing_extensions import override
@@ -141,11 +141,18 @@ class KVStoreTier(SecondaryTierManager):
         if not settings.store_url:
             raise ConfigError("KVStoreTier: store_url is required (or set KVSTORE_STORE_URL)")
         self.locality = Locality(options["locality"]) if options.get("locality") else Locality.LOCAL
-        fast_switch = float(options.get("gil_switch_interval_s", 0.00002))  # see switch_interval.py; 0: off
-        if fast_switch < 0:
+        # While a request waits on us (a load, or a probe after a RETRY), vLLM's engine loop spins on the GIL,
+        # and each of our threads coming back from a read or an index lookup waits up to Python's switch
+        # interval (5 ms) for it: a load of 50 chunks could spend most of its time queueing. A short interval
+        # while such work is pending bounds each hand-off; the process's own interval is restored when none
+        # is. Stores are write-behind and leave it alone: a short interval costs the scheduler thread
+        # preemptions. 0: off.
+        self._fast_switch = float(options.get("gil_switch_interval_s", 0.00002))
+        if self._fast_switch < 0:
             raise ConfigError("KVStoreTier: gil_switch_interval_s must be >= 0")
-        self._switch = SwitchInterval(fast_switch)
         self._loads_in_flight: set[int] = set()  # job ids; scheduler thread only
+        self._switched = False
+        self._normal_switch = sys.getswitchinterval()
 
         mapper = FileMapper.from_offloading_spec(
             root_dir="",
@@ -224,7 +231,7 @@ class KVStoreTier(SecondaryTierManager):
         if self._unprobed:
             batch, self._unprobed = self._unprobed, []
             self._engine.probe_prefixes(prefix_chains(batch))
-        self._switch.pass_ended(waiting=self._waiting())
+            self._update_switch_interval()
 
     @override
     def has_pending_work(self) -> bool:
@@ -232,10 +239,6 @@ class KVStoreTier(SecondaryTierManager):
 
     def _in_flight(self) -> int:
         return self._submitted - self._reported - len(self._finished)
-
-    def _waiting(self) -> bool:
-        """Whether a request waits on the tier: a load or a probe (scheduler thread)."""
-        return bool(self._loads_in_flight) or self._engine.probes_in_flight > 0
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -251,7 +254,7 @@ class KVStoreTier(SecondaryTierManager):
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
         self._loads_in_flight.add(job_metadata.job_id)
-        self._switch.wait_started()
+        self._update_switch_interval()
         self._start_job(self._run_load, job_metadata)
 
     @override
@@ -262,8 +265,7 @@ class KVStoreTier(SecondaryTierManager):
         self._reported += len(done)
         if self._loads_in_flight and done:
             self._loads_in_flight.difference_update(result.job_id for result in done)
-        # vLLM polls finished jobs first in a scheduling pass (and at most once per pass).
-        self._switch.pass_started(waiting=self._waiting())
+        self._update_switch_interval()
         return done
 
     @override
@@ -283,7 +285,8 @@ class KVStoreTier(SecondaryTierManager):
     def shutdown(self) -> None:
         self.drain_jobs()
         self._closed = True
-        self._switch.restore()
+        if self._switched:
+            sys.setswitchinterval(self._normal_switch)
         for _ in self._workers:
             self._jobs.put(None)
         for worker in self._workers:
@@ -316,6 +319,13 @@ class KVStoreTier(SecondaryTierManager):
         return stats
 
     # ----------------------------------------------------------- job threads
+
+    def _update_switch_interval(self) -> None:
+        """Short GIL switch interval exactly while a request waits on a load or a probe (scheduler thread)."""
+        urgent = bool(self._loads_in_flight) or self._engine.probes_in_flight > 0
+        if self._fast_switch and urgent != self._switched:
+            sys.setswitchinterval(self._fast_switch if urgent else self._normal_switch)
+            self._switched = urgent
 
     def _start_job(self, run: Callable[[TransferJob], JobResult], job: TransferJob) -> None:
         self._submitted += 1
