@@ -12,8 +12,8 @@ Every chunk is verified on every read; a chunk that fails is a miss, its bad cop
 
 Threads: all public methods are thread-safe. `lookup(wait=False)` never blocks on the network; the other
 calls do blocking I/O and are meant for the caller's worker threads (the vLLM tier runs them off the
-scheduler thread). Internal work runs on two small pools: `io` (object GETs/HEADs, NVMe admission) and
-`upload` (write-behind).
+scheduler thread). Internal work runs on two small pools, `io` (object GETs and HEADs) and `upload`
+(write-behind), and one `admit` thread that writes object hits to NVMe between loads.
 """
 
 from __future__ import annotations
@@ -61,6 +61,12 @@ _MAX_PENDING_PROBES = 65_536
 # threads, and every extra thread multiplies GIL hand-offs with vLLM's scheduler. Larger batches fan out.
 _SEQUENTIAL_MAX = 32 << 20
 _MAX_EVENTS = 65_536
+# Object hits are admitted to NVMe once loads and probes have been idle this long, or at the latest after
+# the longer delay: on a node short of CPU, writing one request's chunks must not slow down the loads of the
+# next one (or the end of its own).
+_ADMIT_QUIET_S = 0.05
+_ADMIT_MAX_DELAY_S = 1.0
+_ADMIT_POLL_S = 0.01
 _T = TypeVar("_T")
 
 
@@ -128,6 +134,9 @@ class TieredStore:
         self._events: deque[ChunkEvent] = deque(maxlen=_MAX_EVENTS)
         self._admission_budget = admission_queue_bytes
         self._admitting: set[str] = set()
+        self._admissions: queue.SimpleQueue[list[tuple[str, bytes]] | None] = queue.SimpleQueue()
+        self._loads_running = 0  # load_into calls in progress (under _lock)
+        self._last_read = 0.0  # time.monotonic() when the last one ended
         self._prefetched = PrefetchBuffer(prefetch_bytes)
         self._uploads = UploadQueue(upload_queue_bytes)
         self._io_workers = io_workers
@@ -138,7 +147,8 @@ class TieredStore:
             for i in range(upload_workers if store is not None else 0)
         ]
         self._prober = threading.Thread(target=self._probe_loop, name="kvstore-probe", daemon=True)
-        for thread in [*self._upload_threads, self._prober]:
+        self._admitter = threading.Thread(target=self._admit_loop, name="kvstore-admit", daemon=True)
+        for thread in [*self._upload_threads, self._prober, self._admitter]:
             thread.start()
         self._m_queries = {t: self.metrics.queries.labels(t) for t in ("nvme", "object")}
         self._m_hits = {t: self.metrics.hits.labels(t) for t in ("nvme", "object")}
@@ -349,6 +359,16 @@ class TieredStore:
     def load_into(self, items: Sequence[tuple[str, memoryview]]) -> list[bool]:
         """Fill each buffer with its chunk's raw bytes; True where the chunk was found and verified.
         Buffers whose entry is False may hold garbage and must not be used."""
+        with self._lock:
+            self._loads_running += 1
+        try:
+            return self._load_into(items)
+        finally:
+            with self._lock:
+                self._loads_running -= 1
+                self._last_read = time.monotonic()
+
+    def _load_into(self, items: Sequence[tuple[str, memoryview]]) -> list[bool]:
         start = time.perf_counter()
         # One index read for the whole batch: each LMDB transaction hands the GIL away once.
         where = (
@@ -375,24 +395,40 @@ class TieredStore:
                 sum(len(d.cast("B")) for (_, d), ok in zip(items, out, strict=True) if ok)
             )
         missing = [i for i, ok in enumerate(out) if not ok]
-        if self.store is None or not missing or not self._store_available():
+        if self.store is None or not missing:
             return out
-        if len(missing) == 1:
-            key, dest = items[missing[0]]
-            out[missing[0]] = self._fetch_remote(key, dest) is not None
-            return out
-        # Object GETs wait on the network: spread them over the workers, then admit what they fetched to
-        # NVMe as one background batch (one index commit, not one per chunk on the loads' critical path).
+        # What the probe already fetched is in memory: verify and copy it here, at memory speed. Only the
+        # rest waits on the network, and on the io workers, which may still be busy with that probe's GETs.
         fetched: list[tuple[str, bytes]] = []
-
-        def fetch_into(key: str, dest: memoryview) -> bool:
+        on_network: list[int] = []
+        for i in missing:
+            key, dest = items[i]
+            held = self._prefetched.take(key)
+            if held is None:
+                on_network.append(i)
+                continue
+            blob = self._accept_remote(key, held[0], held[1], dest, since=start)
+            if blob is not None:
+                fetched.append((key, blob))
+                out[i] = True
+        if len(on_network) == 1 and self._store_available():
+            key, dest = items[on_network[0]]
             blob = self._fetch_remote(key, dest, admit=False)
             if blob is not None:
-                fetched.append((key, blob))  # list.append is atomic
-            return blob is not None
+                fetched.append((key, blob))
+                out[on_network[0]] = True
+        elif on_network and self._store_available():
+            # GETs wait on the network: spread them over the io workers.
 
-        for i, ok in zip(missing, self._in_parallel(items, missing, fetch_into), strict=True):
-            out[i] = ok
+            def fetch_into(key: str, dest: memoryview) -> bool:
+                blob = self._fetch_remote(key, dest, admit=False)
+                if blob is not None:
+                    fetched.append((key, blob))  # list.append is atomic
+                return blob is not None
+
+            for i, ok in zip(on_network, self._in_parallel(items, on_network, fetch_into), strict=True):
+                out[i] = ok
+        # One background batch for NVMe (one index commit, not one per chunk on the load's critical path).
         self._admit_in_background(fetched)
         return out
 
@@ -510,6 +546,17 @@ class TieredStore:
             except StoreError as exc:
                 self._store_failed("get", exc)
                 return None
+        blob = self._accept_remote(key, blob, region, dest, since=start)
+        if blob is not None and admit:
+            self._admit_in_background([(key, blob)])
+        return blob
+
+    def _accept_remote(
+        self, key: str, blob: bytes | None, region: str | None, dest: memoryview | None, *, since: float
+    ) -> bytes | None:
+        """Verify an object-store copy (decoding it into `dest` when given): the blob if it is good, None if
+        it is missing or corrupt (a corrupt object is deleted, so it is never served)."""
+        assert self.store is not None
         if blob is None:
             self._answers.set(key, Presence.MISS)
             self.metrics.load_failures.labels("object").inc()
@@ -527,18 +574,16 @@ class TieredStore:
                 self.store.delete(key)  # content-addressed: the next store of this prefix re-uploads it
             self._emit(key, "object", removed=True)
             return None
-        self.metrics.read_seconds.labels("object").observe(time.perf_counter() - start)
+        self.metrics.read_seconds.labels("object").observe(time.perf_counter() - since)
         self.metrics.read_bytes.labels("object").inc(parse_header(blob).raw_length)
         if region is not None:  # several regions: which one served it (counted once verified)
             self.metrics.region_hits.labels(region).inc()
         if self._answers.get(key) is not Presence.LOCAL:
             self._answers.set(key, Presence.REMOTE)
-        if admit:
-            self._admit_in_background([(key, blob)])
         return blob
 
     def _admit_in_background(self, items: Sequence[tuple[str, bytes]]) -> None:
-        """Write verified object hits to NVMe as one batch on an io thread, within the admission budget."""
+        """Queue verified object hits for NVMe, within the admission budget (see `_admit_loop`)."""
         if self.cache is None or not items:
             return
         batch: list[tuple[str, bytes]] = []
@@ -549,10 +594,27 @@ class TieredStore:
                 self._admitting.add(key)
                 self._admission_budget -= len(blob)
                 batch.append((key, blob))
-        if not batch:
-            return
+        if batch:
+            self._admissions.put(batch)
 
-        def run() -> None:
+    def _admit_loop(self) -> None:
+        """Write queued object hits to NVMe, one index commit for all that is queued, at a quiet moment:
+        when no load or probe has run for `_ADMIT_QUIET_S` (or after `_ADMIT_MAX_DELAY_S` at the latest).
+        At close, what is queued is written at once."""
+        while (batch := self._admissions.get()) is not None:
+            deadline = time.monotonic() + _ADMIT_MAX_DELAY_S
+            while self._reading() and time.monotonic() < deadline and not self._stopping.is_set():
+                time.sleep(_ADMIT_POLL_S)
+            closing = False
+            while not closing:
+                try:
+                    more = self._admissions.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    closing = True
+                else:
+                    batch.extend(more)
             try:
                 self._write_nvme(batch)
             finally:
@@ -560,8 +622,15 @@ class TieredStore:
                     for key, blob in batch:
                         self._admitting.discard(key)
                         self._admission_budget += len(blob)
+            if closing:
+                return
 
-        self._io.submit(run)
+    def _reading(self) -> bool:
+        """Whether a load or a probe is running, or one ended less than `_ADMIT_QUIET_S` ago."""
+        if self._loads_running or self.probes_in_flight:
+            self._last_read = time.monotonic()
+            return True
+        return time.monotonic() - self._last_read < _ADMIT_QUIET_S
 
     # ----------------------------------------------------------------- store
 
@@ -692,7 +761,8 @@ class TieredStore:
             self._uploads.wait_empty(timeout)
         not_uploaded = self._uploads.close()
         self._stopping.set()
-        for thread in [*self._upload_threads, self._prober]:
+        self._admissions.put(None)  # after what is queued: those hits are still written
+        for thread in [*self._upload_threads, self._prober, self._admitter]:
             thread.join(timeout)
         self._apply_touches()
         self._io.shutdown(wait=True, cancel_futures=True)

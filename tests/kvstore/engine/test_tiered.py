@@ -149,6 +149,55 @@ def test_probe_fetches_hits_so_the_load_needs_no_second_round(
     engine.close()
 
 
+class SlowGets(MemoryStore):
+    """An in-memory store whose GETs of keys under `slow/` wait until `gate` opens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.waiting = 0
+
+    def get(self, key: str) -> bytes | None:
+        if "/slow/" in key:
+            self.waiting += 1
+            self.gate.wait(30)
+        return super().get(key)
+
+
+def test_prefetched_chunks_load_while_the_io_workers_wait_on_the_network(metrics: EngineMetrics) -> None:
+    store = SlowGets()
+    ready, slow = keys(4, "ready"), keys(2, "slow")
+    fill(store, metrics, ready + slow)
+    engine = make_engine(store, None, metrics, io_workers=2)
+    assert wait_answers(engine, ready) == [Presence.REMOTE] * 4
+    engine.probe_async(slow)  # both io workers now wait on GETs that do not return
+    deadline = time.monotonic() + 10
+    while store.waiting < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loaded: list[list[bytes | None]] = []
+    loader = threading.Thread(target=lambda: loaded.append(load(engine, ready)))
+    loader.start()
+    loader.join(10)  # the held chunks need no io worker: this must not wait for the gate
+    done_before_gate = not loader.is_alive()
+    store.gate.set()
+    loader.join(30)
+    assert done_before_gate
+    assert loaded == [[payload(i) for i in range(4)]]
+    engine.close()
+
+
+def test_object_hits_reach_nvme_when_the_engine_closes_right_after_the_load(
+    s3_store: ObjectStore, metrics: EngineMetrics, tmp_path: Path
+) -> None:
+    names = keys(4, "admit-at-close")
+    fill(s3_store, metrics, names)
+    with NVMeCache(tmp_path / "fresh", budget_bytes=64 * CHUNK) as fresh:
+        engine = make_engine(s3_store, fresh, metrics)
+        assert load(engine, names) == [payload(i) for i in range(4)]
+        engine.close()  # admission waits for a quiet moment, but what is queued is written at close
+        assert fresh.contains_many(names) == [True] * 4
+
+
 def test_prefix_probe_asks_first_keys_first_and_stops_a_chain_at_its_miss(
     s3_store: ObjectStore, metrics: EngineMetrics, monkeypatch: pytest.MonkeyPatch
 ) -> None:
