@@ -20,6 +20,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
@@ -87,6 +88,10 @@ _TIER_OPTIONS = {
     "gil_switch_interval_s",
     "stats_interval_s",
 }
+
+
+# A key probed this long ago and still unanswered is probed again.
+_ASK_AGAIN_S = 1.0
 
 
 class UnknownChunk(NamedTuple):
@@ -187,6 +192,10 @@ class KVStoreTier(SecondaryTierManager):
         self._reported = 0
         self._idle = threading.Condition()
         self._unprobed: list[UnknownChunk] = []
+        # Keys handed to the engine's probe and not answered yet, with the time they were asked: a request
+        # that waits on them looks them up again every step, and asking again each time would only queue
+        # the same work behind itself. A key asked long ago is asked again (its answer may have expired).
+        self._asked: dict[str, float] = {}
         self._stats = BackgroundStats(
             TierStats(self._engine.metrics), interval_s=float(options.get("stats_interval_s", 0.5))
         )
@@ -221,17 +230,26 @@ class KVStoreTier(SecondaryTierManager):
         found = self._engine.lookup_cached(chunk)
         if found is Presence.PENDING:
             # Probed as one batch at the end of the step, per request and group in lookup order.
-            position = req_context.get_offload_key_position(key)
-            self._unprobed.append(UnknownChunk(req_context.req_id, key[-4:], position, chunk))
+            asked = self._asked.get(chunk)
+            if asked is None or time.monotonic() - asked > _ASK_AGAIN_S:
+                position = req_context.get_offload_key_position(key)
+                self._unprobed.append(UnknownChunk(req_context.req_id, key[-4:], position, chunk))
             return LookupResult.RETRY
+        if self._asked:
+            self._asked.pop(chunk, None)
         return LookupResult.MISS if found is Presence.MISS else LookupResult.HIT
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         if self._unprobed:
             batch, self._unprobed = self._unprobed, []
+            now = time.monotonic()
+            self._asked.update((chunk.key, now) for chunk in batch)
             self._engine.probe_prefixes(prefix_chains(batch))
             self._update_switch_interval()
+        elif self._asked and not self._engine.probes_in_flight:
+            # Every probe has ended: what is still unanswered (after a store error) is asked again.
+            self._asked.clear()
 
     @override
     def has_pending_work(self) -> bool:

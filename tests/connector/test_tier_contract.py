@@ -155,6 +155,31 @@ def test_remote_chunk_is_retry_then_hit(s3_env: None, s3_store: ObjectStore, tmp
     reader.close()
 
 
+def test_keys_waiting_on_a_probe_are_not_asked_again_every_step(
+    s3_env: None, s3_store: ObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reader = standalone_tier(options(s3_store, tmp_path / "b"), chunk_bytes=CHUNK, num_chunks=4)
+    tier, engine = reader.tier, reader.tier._engine
+    asked: list[list[list[str]]] = []
+    probe = engine.probe_prefixes
+
+    def recording_probe(chains: list[list[str]]) -> None:
+        asked.append(chains)
+        probe(chains)
+
+    monkeypatch.setattr(engine, "probe_prefixes", recording_probe)
+    # The scheduler looks a waiting request's keys up again on every step until they are answered.
+    deadline = time.monotonic() + 10
+    answers = [LookupResult.RETRY]
+    while LookupResult.RETRY in answers and time.monotonic() < deadline:
+        answers = [tier.lookup(okey(i), REQ) for i in (40, 41)]
+        tier.on_schedule_end(None)  # type: ignore[arg-type]
+        time.sleep(0.001)
+    assert answers == [LookupResult.MISS, LookupResult.MISS]
+    assert len(asked) == 1 and sum(map(len, asked[0])) == 2
+    reader.close()
+
+
 def test_drain_waits_for_every_job(node: StandaloneTier) -> None:
     tier = node.tier
     for i in range(8):
