@@ -99,6 +99,8 @@ def test_bad_options_fail_at_start_and_name_the_option(tmp_path: Path) -> None:
         standalone_tier({"cache_dir": str(tmp_path)})
     with pytest.raises(ConfigError, match="cache_bytes"):
         standalone_tier({"store_url": "memory://x", "cache_dir": str(tmp_path), "cache_bytes": 0})
+    with pytest.raises(ConfigError, match="job_workers"):
+        standalone_tier({"store_url": "memory://x", "cache_dir": str(tmp_path), "job_workers": 0})
 
 
 def test_store_then_load_round_trip(node: StandaloneTier) -> None:
