@@ -617,6 +617,8 @@ class TieredStore:
                     batch.extend(more)
             try:
                 self._write_nvme(batch)
+            except Exception:  # the thread must outlive any one batch; these hits are simply not cached
+                log.exception("NVMe admission of %d chunks failed", len(batch))
             finally:
                 with self._lock:
                     for key, blob in batch:
