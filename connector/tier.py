@@ -186,13 +186,12 @@ class KVStoreTier(SecondaryTierManager):
         # shared threads the scheduler bench measured 1.1-1.3 ms per paced step, with one 0.43-0.48 ms.
         # A SimpleQueue (a lock-free put) rather than ThreadPoolExecutor.submit, whose locks the workers
         # contend for: each contended lock can cost the scheduler a GIL hand-off.
-        workers = self._workers_per_kind
         self._load_jobs: _JobQueue = queue.SimpleQueue()
         self._store_jobs: _JobQueue = queue.SimpleQueue()
         self._workers = [
             threading.Thread(target=self._job_loop, args=(jobs,), name=f"kvstore-{kind}-{i}", daemon=True)
             for kind, jobs in (("load", self._load_jobs), ("store", self._store_jobs))
-            for i in range(workers)
+            for i in range(self._workers_per_kind)
         ]
         self._closed = False
         # Job accounting without locks on the scheduler thread: it alone counts submissions and reported

@@ -411,21 +411,16 @@ class TieredStore:
             if blob is not None:
                 fetched.append((key, blob))
                 out[i] = True
-        if len(on_network) == 1 and self._store_available():
-            key, dest = items[on_network[0]]
+
+        def fetch_into(key: str, dest: memoryview) -> bool:
             blob = self._fetch_remote(key, dest, admit=False)
             if blob is not None:
-                fetched.append((key, blob))
-                out[on_network[0]] = True
-        elif on_network and self._store_available():
-            # GETs wait on the network: spread them over the io workers.
+                fetched.append((key, blob))  # list.append is atomic
+            return blob is not None
 
-            def fetch_into(key: str, dest: memoryview) -> bool:
-                blob = self._fetch_remote(key, dest, admit=False)
-                if blob is not None:
-                    fetched.append((key, blob))  # list.append is atomic
-                return blob is not None
-
+        if len(on_network) == 1 and self._store_available():
+            out[on_network[0]] = fetch_into(*items[on_network[0]])
+        elif on_network and self._store_available():  # several GETs: spread them over the io workers
             for i, ok in zip(on_network, self._in_parallel(items, on_network, fetch_into), strict=True):
                 out[i] = ok
         # One background batch for NVMe (one index commit, not one per chunk on the load's critical path).
