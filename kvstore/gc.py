@@ -9,7 +9,14 @@ timestamps of the access records (`_meta/access/`) that name it. `run_gc`:
 4. compacts the merged access records (not in a dry run) and writes a JSON report under `_meta/gc/reports/`.
 
 Only `.bin` objects outside `_meta/` are chunks; `config.json`, pins, leases, reports and anything foreign are
-never touched. Objects younger than `grace_seconds` (by `last_modified`) and pinned keys always survive.
+never touched. Objects younger than `grace_seconds` (by `last_modified`, plus one second because listings
+truncate it to whole seconds) and pinned keys always survive.
+
+Pins: the run reads the bucket's pin manifests itself, under the lease, and re-reads them (only the changed
+ones) before every delete batch, inside the pin fence (`kvstore.pin_fence`) that pin creation also goes
+through; so no interleaving with `create_pin` deletes a chunk while a manifest names it. Chunks chosen before
+a pin appeared and spared at delete time count as `kept_pinned`; such a pin may leave the bucket over its
+byte budget until the next run.
 
 Memory bound of the budget pass: pass 1 builds a histogram of survivor bytes by age, with logarithmic buckets
 1% wide (about 2,000 buckets span a second to decades), so its size does not grow with the bucket. Walking it
@@ -30,6 +37,7 @@ import heapq
 import json
 import logging
 import math
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Set
@@ -39,11 +47,14 @@ from typing import Any, TypeAlias
 import zstandard
 
 from kvstore.access import ACCESS_PREFIX, decode_batch, encode_batch
+from kvstore.errors import KVStoreError, StoreUnavailable
 from kvstore.keys import is_chunk_key
 from kvstore.lease import Lease
+from kvstore.pin_fence import DeleteFence
+from kvstore.pins import PinView
 from kvstore.stores import ObjectInfo, ObjectStore
 
-__all__ = ["GC_REPORT_PREFIX", "GCReport", "Pinned", "list_reports", "run_gc"]
+__all__ = ["GC_REPORT_PREFIX", "GCCancelled", "GCReport", "Pinned", "list_reports", "run_gc"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +63,8 @@ DELETE_BATCH = 1000  # S3 DeleteObjects takes at most 1000 keys per request
 COMPACT_BATCH = 50_000  # keys per compacted access record, like the recorder's default flush size
 _COMPACT_ROUND_S = 60.0  # compacted timestamps are rounded *up*: a chunk may look younger, never older
 _LOG_STEP = math.log(1.01)  # histogram bucket width: 1% of the age
+# S3 listings give `last_modified` in whole seconds, truncated: the grace period is stretched by this much.
+LISTING_RESOLUTION_S = 1.0
 
 Pinned: TypeAlias = Callable[[str], bool] | Set[str]
 
@@ -81,6 +94,8 @@ class GCReport:
     access_records: int
     access_keys: int
     records_compacted: int
+    pin_manifests: int  # live pin manifests the run honoured (created during the run included)
+    pin_fence_wait_s: float  # time the deletes waited for pins being created
     report_key: str
 
     def as_dict(self) -> dict[str, Any]:
@@ -103,46 +118,106 @@ def _age_bucket(age: float) -> int:
 class _Counts:
     objects: int = 0
     bytes_total: int = 0
-    deleted_ttl: int = 0
-    deleted_budget: int = 0
-    bytes_freed: int = 0
     kept_pinned: int = 0
     kept_young: int = 0
     remaining_objects: int = 0
     remaining_bytes: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class _Victim:
+    """A chunk chosen for deletion: why (`ttl` or `budget`) and its merged access time, kept in case a pin
+    created meanwhile spares it."""
+
+    key: str
+    size: int
+    reason: str
+    ts: float | None
+
+
+class GCCancelled(KVStoreError):
+    """The run was cancelled (`cancel` was set); nothing after the last completed batch was deleted."""
+
+
 class _Deleter:
-    """Batches deletions, reports each batch to `on_removed` and renews the lease between batches."""
+    """Batches deletions. Each batch goes through the pin fence (`kvstore.pin_fence`): the pins are re-read
+    right before the delete and keys pinned meanwhile are spared (`spared`, added back to the counts).
+    Deleted batches go to `on_removed`; the lease is renewed before each batch."""
 
     def __init__(
         self,
         store: ObjectStore,
         lease: Lease,
+        pins: PinView | None,
+        is_pinned: Callable[[str], bool],
         dry_run: bool,
         on_removed: Callable[[list[str]], None] | None,
+        cancel: threading.Event | None,
     ) -> None:
         self._store = store
         self._lease = lease
+        self._pins = pins
+        self._is_pinned = is_pinned
         self._dry_run = dry_run
         self._on_removed = on_removed
-        self._batch: list[str] = []
+        self._cancel = cancel
+        self.fence = DeleteFence(store, lease)
+        self._batch: list[_Victim] = []
+        self.spared: list[_Victim] = []
+        self.deleted: dict[str, int] = {"ttl": 0, "budget": 0}  # in a dry run: would have deleted
+        self.freed = 0
 
-    def add(self, key: str) -> None:
-        self._batch.append(key)
+    def add(self, victim: _Victim) -> None:
+        self._batch.append(victim)
         if len(self._batch) >= DELETE_BATCH:
             self.flush()
+
+    def _refresh_pins(self) -> None:
+        if self._pins is not None:
+            self._pins.refresh()
+
+    def _split(self, batch: list[_Victim]) -> list[_Victim]:
+        doomed = [v for v in batch if not self._is_pinned(v.key)]
+        if len(doomed) < len(batch):
+            self.spared.extend(v for v in batch if self._is_pinned(v.key))
+        return doomed
+
+    def _count(self, done: list[_Victim]) -> None:
+        for victim in done:
+            self.deleted[victim.reason] += 1
+            self.freed += victim.size
 
     def flush(self) -> None:
         if not self._batch:
             return
         batch, self._batch = self._batch, []
+        check_cancel(self._cancel)
         self._lease.renew()  # raises LeaseLost before deleting if another GC took over
         if self._dry_run:
+            self._refresh_pins()
+            self._count(self._split(batch))
             return
-        self._store.delete_many(batch)
-        if self._on_removed is not None:
-            self._on_removed(batch)
+        for _ in range(3):
+            with self.fence.batch() as until:
+                self._refresh_pins()
+                doomed = self._split(batch)
+                if not self.fence.in_time(until):
+                    batch = doomed  # the re-read took too long to trust the marker: announce again
+                    continue
+                keys = [v.key for v in doomed]
+                if keys:
+                    self._store.delete_many(keys)
+                self._count(doomed)
+                break
+        else:
+            raise StoreUnavailable("GC could not re-read the pins within its delete window three times")
+        if keys and self._on_removed is not None:
+            self._on_removed(keys)
+
+
+def check_cancel(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise GCCancelled("GC cancelled")
 
 
 def _merge_access(store: ObjectStore) -> tuple[dict[str, float], list[str]]:
@@ -165,9 +240,11 @@ def _merge_access(store: ObjectStore) -> tuple[dict[str, float], list[str]]:
     return last, record_keys
 
 
-def _chunks(store: ObjectStore, lease: Lease) -> Iterator[ObjectInfo]:
-    for info in store.list():
+def _chunks(store: ObjectStore, lease: Lease, cancel: threading.Event | None) -> Iterator[ObjectInfo]:
+    for i, info in enumerate(store.list()):
         lease.maybe_renew()  # a long listing with nothing to delete must not let the lease lapse
+        if i % 1000 == 0:
+            check_cancel(cancel)
         if is_chunk_key(info.key):
             yield info
 
@@ -208,6 +285,12 @@ def _report_key(started_at: float, run_id: str) -> str:
     return f"{GC_REPORT_PREFIX}{stamp}.{millis:03d}Z-{run_id}.json"
 
 
+def _check_seconds(name: str, value: float) -> None:
+    # `not value >= 0` also refuses NaN, which every comparison below would silently treat as "keep all".
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+
+
 def run_gc(
     store: ObjectStore,
     *,
@@ -216,52 +299,73 @@ def run_gc(
     grace_seconds: float,
     dry_run: bool = False,
     pinned: Pinned = frozenset(),
+    bucket_pins: bool = True,
     now: float | None = None,
     on_removed: Callable[[list[str]], None] | None = None,
     holder: str | None = None,
     lease_ttl_s: float = 300.0,
     compact: bool = True,
+    cancel: threading.Event | None = None,
 ) -> GCReport:
-    """Run one GC pass over `store` (see the module docstring). Raises `LeaseHeld` if another GC runs.
+    """Run one GC pass over `store` (see the module docstring). Raises `LeaseHeld` if another GC runs,
+    `GCCancelled` once `cancel` is set (checked between listing pages and before each delete batch).
 
-    `now` is the clock GC judges ages by (tests advance it instead of sleeping); `on_removed` gets each
-    deleted batch (never called in a dry run); `pinned` is a key predicate or a set of keys."""
-    if ttl_seconds < 0:  # 0: every unpinned chunk past the grace period goes (e.g. to empty a test bucket)
-        raise ValueError(f"ttl_seconds must be >= 0, got {ttl_seconds}")
-    if grace_seconds < 0:
-        raise ValueError(f"grace_seconds must be >= 0, got {grace_seconds}")
+    The pin manifests in the bucket are read under the lease and re-read before every delete batch through
+    the pin fence, so a pin created while GC runs never loses a chunk (`bucket_pins=False` skips them, for
+    stores that hold no manifests); `pinned` adds keys kept for other reasons (a key predicate or a set,
+    e.g. a node's cache pins). `now` is the clock GC judges ages by (tests advance it instead of sleeping);
+    `on_removed` gets each deleted batch (never called in a dry run)."""
+    _check_seconds("ttl_seconds", ttl_seconds)
+    _check_seconds("grace_seconds", grace_seconds)
     if max_bytes is not None and max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-    is_pinned = _pin_check(pinned)
+    extra_pins = _pin_check(pinned)
     started_at = time.time()
     clock = time.monotonic()
     now = started_at if now is None else now
+    # Listings carry whole seconds, truncated: an object may be up to a second younger than it looks.
+    grace = grace_seconds + LISTING_RESOLUTION_S
     run_id = uuid.uuid4().hex[:12]
     c = _Counts()
 
     with Lease(store, "gc", ttl_s=lease_ttl_s, holder=holder) as lease:
+        pins = PinView(store) if bucket_pins else None
+        if pins is not None:
+            pins.refresh()
+
+        def is_pinned(key: str) -> bool:
+            return (pins is not None and key in pins.keys) or extra_pins(key)
+
         access, record_keys = _merge_access(store)
         access_keys = len(access)
-        deleter = _Deleter(store, lease, dry_run, on_removed)
+        deleter = _Deleter(store, lease, pins, is_pinned, dry_run, on_removed, cancel)
         # Keys of `access` move into `live` as the listing finds them alive, so what is left in `access`
         # afterwards names objects that no longer exist and is dropped by compaction.
         live: dict[str, float] = {}
         histogram: dict[int, int] = collections.defaultdict(int)
 
+        def settle() -> None:
+            """Victims a late pin saved at delete time are survivors after all."""
+            for victim in deleter.spared:
+                c.kept_pinned += 1
+                c.remaining_objects += 1
+                c.remaining_bytes += victim.size
+                if victim.ts is not None:
+                    live[victim.key] = victim.ts
+            deleter.spared.clear()
+
         # Pass 1: TTL.
-        for info in _chunks(store, lease):
+        for info in _chunks(store, lease, cancel):
             c.objects += 1
             c.bytes_total += info.size
             ts = access.pop(info.key, None)
             last = info.last_modified if ts is None else max(ts, info.last_modified)
             if is_pinned(info.key):
                 c.kept_pinned += 1
-            elif now - info.last_modified < grace_seconds:
+            elif now - info.last_modified < grace:
                 c.kept_young += 1
             elif now - last > ttl_seconds:
-                deleter.add(info.key)
-                c.deleted_ttl += 1
-                c.bytes_freed += info.size
+                deleter.add(_Victim(info.key, info.size, "ttl", ts))
                 continue
             else:
                 histogram[_age_bucket(now - last)] += info.size
@@ -270,20 +374,19 @@ def run_gc(
             c.remaining_objects += 1
             c.remaining_bytes += info.size
         deleter.flush()
+        settle()
         access.clear()
 
         # Pass 2: byte budget, oldest first.
-        over_budget = False
         if max_bytes is not None and c.remaining_bytes > max_bytes:
             excess = c.remaining_bytes - max_bytes
             bound = _boundary(histogram, excess)
             boundary, need = bound if bound is not None else (-1, 0)
-            over_budget = bound is None
             # Max-heap by last access of boundary-bucket members: only the oldest ones covering `need`.
             heap: list[tuple[float, str, int]] = []
             heap_bytes = 0
-            for info in _chunks(store, lease):
-                if is_pinned(info.key) or now - info.last_modified < grace_seconds:
+            for info in _chunks(store, lease, cancel):
+                if is_pinned(info.key) or now - info.last_modified < grace:
                     continue
                 ts = live.get(info.key)
                 last = info.last_modified if ts is None else max(ts, info.last_modified)
@@ -291,28 +394,20 @@ def run_gc(
                     continue  # pass 1 handled it (still listed in a dry run)
                 bucket = _age_bucket(now - last)
                 if bucket > boundary:
-                    deleter.add(info.key)
+                    deleter.add(_Victim(info.key, info.size, "budget", live.pop(info.key, None)))
+                    c.remaining_objects -= 1
+                    c.remaining_bytes -= info.size
                 elif bucket == boundary:
                     heapq.heappush(heap, (-last, info.key, info.size))
                     heap_bytes += info.size
                     while heap and heap_bytes - heap[0][2] >= need:
                         heap_bytes -= heapq.heappop(heap)[2]
-                    continue
-                else:
-                    continue
-                live.pop(info.key, None)
-                c.deleted_budget += 1
-                c.bytes_freed += info.size
-                c.remaining_objects -= 1
-                c.remaining_bytes -= info.size
             for _, key, size in sorted(heap, reverse=True):  # oldest first
-                deleter.add(key)
-                live.pop(key, None)
-                c.deleted_budget += 1
-                c.bytes_freed += size
+                deleter.add(_Victim(key, size, "budget", live.pop(key, None)))
                 c.remaining_objects -= 1
                 c.remaining_bytes -= size
             deleter.flush()
+            settle()
 
         compacted = 0
         if compact and not dry_run and record_keys:
@@ -329,18 +424,20 @@ def run_gc(
             grace_seconds=grace_seconds,
             objects=c.objects,
             bytes_total=c.bytes_total,
-            deleted=c.deleted_ttl + c.deleted_budget,
-            deleted_ttl=c.deleted_ttl,
-            deleted_budget=c.deleted_budget,
-            bytes_freed=c.bytes_freed,
+            deleted=deleter.deleted["ttl"] + deleter.deleted["budget"],
+            deleted_ttl=deleter.deleted["ttl"],
+            deleted_budget=deleter.deleted["budget"],
+            bytes_freed=deleter.freed,
             kept_pinned=c.kept_pinned,
             kept_young=c.kept_young,
             remaining_objects=c.remaining_objects,
             remaining_bytes=c.remaining_bytes,
-            over_budget=over_budget,
+            over_budget=max_bytes is not None and c.remaining_bytes > max_bytes,
             access_records=len(record_keys),
             access_keys=access_keys,
             records_compacted=compacted,
+            pin_manifests=pins.manifests if pins is not None else 0,
+            pin_fence_wait_s=round(deleter.fence.waited_s, 3),
             report_key=_report_key(started_at, run_id),
         )
         store.put(report.report_key, json.dumps(report.as_dict(), indent=1).encode())

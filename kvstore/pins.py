@@ -21,7 +21,7 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from kvstore.cache.nvme import NVMeCache
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.hashing import chunk_keys as _chunk_keys
 from kvstore.keys import CONFIG_FILENAME, Namespace
+from kvstore.pin_fence import fenced_pin_write
 from kvstore.stores.base import ObjectStore
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "PinNotFound",
     "PinSync",
     "PinSyncLoop",
+    "PinView",
     "apply_pins",
     "create_pin",
     "delete_pin",
@@ -112,7 +114,8 @@ class PinManifest:
         }
 
     def encode(self) -> bytes:
-        return json.dumps(self.to_json(), indent=1, sort_keys=True).encode()
+        # Compact: a manifest is read by GC and every node, and its size should follow the keys it names.
+        return json.dumps(self.to_json(), separators=(",", ":"), sort_keys=True).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> PinManifest:
@@ -160,14 +163,20 @@ def create_pin(
         created_at=now,
         expires_at=None if ttl_seconds is None else now + ttl_seconds,
     )
-    if store.put_if_absent(key, manifest.encode()):
+    encoded = manifest.encode()
+
+    def write() -> PinManifest:
+        if store.put_if_absent(key, encoded):
+            return manifest
+        existing = _read(store, key)
+        if existing is not None and not existing.expired(now):
+            raise PinExists(f"pin {name!r} already exists")
+        # Expired (or vanished meanwhile): replacing it is what its owner would get after GC anyway.
+        store.put(key, encoded)
         return manifest
-    existing = _read(store, key)
-    if existing is not None and not existing.expired(now):
-        raise PinExists(f"pin {name!r} already exists")
-    # Expired (or vanished meanwhile): replacing it is what its owner would get after GC anyway.
-    store.put(key, manifest.encode())
-    return manifest
+
+    # Through the fence, so that a GC running now cannot delete a chunk of this manifest once it exists.
+    return fenced_pin_write(store, write)
 
 
 def _read(store: ObjectStore, key: str) -> PinManifest | None:
@@ -214,6 +223,56 @@ def pinned_keys(store: ObjectStore) -> set[str]:
     for manifest in list_pins(store, include_expired=False):
         out.update(manifest.keys)
     return out
+
+
+# A manifest written this recently may have been replaced within the same second of `last_modified` (listings
+# carry whole seconds), so its listing entry cannot prove it unchanged: `PinView` reads it again.
+_RECENT_S = 10.0
+
+
+class PinView:
+    """The chunk keys of the bucket's live pin manifests, for GC to re-read before every delete batch.
+
+    `refresh()` lists `_meta/pins/` and reads only the manifests that are new or whose listing entry changed
+    (or that were written in the last few seconds), so a re-read costs a listing, not every manifest. Keys
+    only accumulate: a manifest that expires or is deleted during the run keeps protecting its chunks until
+    the next run, which errs on the side of keeping."""
+
+    def __init__(self, store: ObjectStore, clock: Callable[[], float] = time.time) -> None:
+        self._store = store
+        self._clock = clock
+        self._seen: dict[str, tuple[int, float]] = {}
+        self.keys: set[str] = set()
+        self._live: set[str] = set()
+
+    @property
+    def manifests(self) -> int:
+        """How many live manifests the view has read (each counted once)."""
+        return len(self._live)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys
+
+    def refresh(self) -> None:
+        now = self._clock()
+        for info in self._store.list(PIN_PREFIX):
+            if not info.key.endswith(".json"):
+                continue
+            signature = (info.size, info.last_modified)
+            if self._seen.get(info.key) == signature and now - info.last_modified > _RECENT_S:
+                continue
+            raw = self._store.get(info.key)
+            if raw is None:  # deleted between list and get
+                continue
+            self._seen[info.key] = signature
+            try:
+                manifest = PinManifest.decode(raw)
+            except ConfigError as exc:
+                log.warning("skipping %s: %s", info.key, exc)
+                continue
+            if not manifest.expired(now):
+                self._live.add(info.key)
+                self.keys.update(manifest.keys)
 
 
 # -- node sync --------------------------------------------------------------------------------------------

@@ -470,3 +470,24 @@ def test_gc_resumes_after_a_crash(s3_server: Any, s3_store: Any, tmp_path: Path)
             time.sleep(0.2)
     assert report.deleted == 7 and report.objects == 7
     assert not present(s3_store) & set(keys) and len(list_reports(s3_store)) == 1
+
+
+def test_grace_counts_from_the_real_write_not_the_truncated_listing_time(s3_store: Any) -> None:
+    """Listings truncate `last_modified` to whole seconds: an object written at x.9 s is listed as x.0 s, so
+    without a margin GC would judge it up to a second older than it is and delete it inside its grace."""
+    grace = 30.0
+    for _ in range(5):
+        while time.time() % 1 < 0.8:  # write late in a second: the truncation is then ~0.8-1 s
+            time.sleep(0.01)
+        written = time.time()
+        s3_store.put(chunk(900), b"x" * 16)
+        listed = next(info for info in s3_store.list() if info.key == chunk(900)).last_modified
+        if listed == int(written):  # the server's clock is this machine's, and the write stayed in its second
+            break
+    else:
+        pytest.skip("the server's clock does not agree with ours to the second")
+    # Still inside the grace period by the real write time; past it by the truncated listing time.
+    now = written + grace - 0.1
+    assert now - listed >= grace
+    report = run_gc(s3_store, ttl_seconds=0, grace_seconds=grace, now=now)
+    assert report.deleted == 0 and report.kept_young == 1 and s3_store.get(chunk(900)) is not None
