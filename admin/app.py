@@ -10,7 +10,7 @@ Library errors a route lets through still answer JSON: a `ConfigError` is the ca
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request, Response, status
@@ -21,14 +21,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.events import open_publisher
-from kvstore.pins import PinSyncLoop, pinned_keys
+from kvstore.pins import PinSyncLoop
 from kvstore.runtime import Node
-
-
-def bucket_and_node_pins(node: Node) -> Callable[[str], bool]:
-    """GC keeps a chunk if a pin manifest in the bucket names it or this node's cache holds a pin on it."""
-    manifests = pinned_keys(node.store)
-    return lambda key: key in manifests or node.cache.pinned(key) > 0
 
 
 def create_app(node: Node) -> FastAPI:
@@ -50,7 +44,8 @@ def create_app(node: Node) -> FastAPI:
     app.state.node = node
     token = node.settings.admin_token
     app.state.admin_token = token.get_secret_value() if token is not None else None
-    app.state.gc_pinned = bucket_and_node_pins
+    # GC reads the bucket's pin manifests itself, inside its job; this adds the node's own cache pins.
+    app.state.gc_pinned = routes_gc.node_pins
     app.state.events = publisher
     app.state.gc_on_removed = publisher.publish_removed if publisher is not None else None
     app.include_router(routes_gc.router)

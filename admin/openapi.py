@@ -21,6 +21,7 @@ _DESCRIPTIONS = {
     403: "Wrong bearer token",
     404: "Not found",
     409: "Conflict",
+    413: "The body is larger than the service accepts (`admin_max_body_bytes`)",
     422: "Malformed or invalid input",
     503: "The object store or the NVMe cache cannot be used right now",
 }

@@ -1,8 +1,10 @@
-"""Admin routes for garbage collection: start a GC job, poll jobs, list past GC reports.
+"""Admin routes for garbage collection: start a GC job, poll and cancel jobs, list past GC reports.
 
 GC can take minutes on a big bucket, so `POST /v1/gc` answers 202 with a job id at once and runs the
-collector on a background thread; `GET /v1/jobs/{id}` polls it. The bucket lease (`kvstore.lease`) is what
-guarantees a single GC fleet-wide; the 409 check before starting is only a courtesy for the common case.
+collector on a background thread: everything that grows with the bucket (pin manifests included) is read by
+the job, never by the request. `GET /v1/jobs/{id}` polls a job, `DELETE /v1/jobs/{id}` cancels it (a GC stops
+before its next delete batch). The bucket lease (`kvstore.lease`) is what guarantees a single GC fleet-wide;
+the 409 check before starting is only a courtesy for the common case.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from kvstore.admin.openapi import AUTH_ERRORS, PositiveJsonInt, errors
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvstore.errors import KVStoreError
-from kvstore.gc import list_reports, run_gc
+from kvstore.gc import GCCancelled, list_reports, run_gc
 from kvstore.lease import LeaseHeld, read_lease
 from kvstore.runtime import Node
 
@@ -32,9 +34,10 @@ log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], responses=AUTH_ERRORS)
 
-JobStatus = Literal["pending", "running", "done", "failed"]
-# Given the node, a predicate "is this key pinned"; a pin-manifest module replaces the default via
-# `app.state.gc_pinned`.
+JobStatus = Literal["pending", "running", "cancelling", "done", "failed", "cancelled"]
+_ACTIVE = ("pending", "running", "cancelling")
+# Given the node, a predicate "is this key pinned" for keys GC keeps beyond the bucket's pin manifests (which
+# GC reads itself); `app.state.gc_pinned` replaces the default. Called inside the job.
 PinnedProvider = Callable[[Node], Callable[[str], bool]]
 _MAX_JOBS = 200  # finished jobs are forgotten oldest-first beyond this, so the registry stays small
 
@@ -58,6 +61,9 @@ class Job:
     created_at: float = field(default_factory=time.time)
     result: dict[str, Any] | None = None
     error: str | None = None
+    # Set by `JobRegistry.cancel`; the work checks it where it can stop cleanly.
+    cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+    on_cancel: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "kind": self.kind, "status": self.status}
@@ -82,10 +88,29 @@ class JobRegistry:
             self._jobs[job.id] = job
             while len(self._jobs) > _MAX_JOBS:
                 oldest = next(iter(self._jobs))
-                if self._jobs[oldest].status in ("pending", "running"):
+                if self._jobs[oldest].status in _ACTIVE:
                     break
                 del self._jobs[oldest]
         return job
+
+    def cancel(self, job_id: str) -> dict[str, Any] | None:
+        """Ask a job to stop; its snapshot (unchanged if it had already finished), `None` if unknown."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None:
+                return None
+            if job.status not in _ACTIVE:
+                return job.as_dict()
+            job.cancel.set()
+            job.status = "cancelling"
+            hooks = list(job.on_cancel)
+            snapshot = job.as_dict()
+        for hook in hooks:  # e.g. closing a warm job's HTTP client, which ends its in-flight request
+            try:
+                hook()
+            except Exception:  # a hook must not turn a cancellation into a 500
+                log.exception("cancel hook of job %s failed", job_id)
+        return snapshot
 
     def get(self, job_id: str) -> Job | None:
         with self._lock:
@@ -105,18 +130,25 @@ class JobRegistry:
         """Run `work` on a daemon thread, recording its result or its error on `job`."""
 
         def target() -> None:
-            self.update(job, status="running")
+            with self._lock:
+                if job.status == "pending":
+                    job.status = "running"
             try:
+                if job.cancel.is_set():
+                    raise GCCancelled("cancelled before it started")
                 result = work()
             except LeaseHeld as exc:
                 self.update(job, status="failed", error=f"another GC is running: {exc}")
-            except KVStoreError as exc:
-                self.update(job, status="failed", error=str(exc))
-            except Exception as exc:  # a job thread must record every failure, never die silently
-                log.exception("job %s failed", job.id)
-                self.update(job, status="failed", error=f"{type(exc).__name__}: {exc}")
+            except Exception as exc:
+                if job.cancel.is_set():  # whatever the work raised on its way out, it was asked to stop
+                    self.update(job, status="cancelled", error=f"cancelled: {exc}")
+                elif isinstance(exc, KVStoreError):
+                    self.update(job, status="failed", error=str(exc))
+                else:  # a job thread must record every failure, never die silently
+                    log.exception("job %s failed", job.id)
+                    self.update(job, status="failed", error=f"{type(exc).__name__}: {exc}")
             else:
-                self.update(job, status="done", result=result)
+                self.update(job, status="cancelled" if job.cancel.is_set() else "done", result=result)
 
         threading.Thread(target=target, name=f"kvstore-job-{job.id}", daemon=True).start()
 
@@ -142,17 +174,16 @@ def _registry(request: Request) -> JobRegistry:
 _registry_lock = threading.Lock()
 
 
-@router.post("/gc", status_code=status.HTTP_202_ACCEPTED, responses=errors(400, 409, 422, 503))
+@router.post("/gc", status_code=status.HTTP_202_ACCEPTED, responses=errors(400, 409, 413, 422, 503))
 def start_gc(body: GCRequest, request: Request) -> dict[str, Any]:
     node: Node = request.app.state.node
     try:
-        lease = read_lease(node.store, "gc")
+        lease = read_lease(node.store, "gc")  # one small GET, bounded by the store's data-path deadline
     except KVStoreError as exc:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"object store unusable: {exc}") from None
     if lease is not None and lease.live(time.time()):
         raise HTTPException(status.HTTP_409_CONFLICT, f"a GC is already running (held by {lease.holder!r})")
     provider: PinnedProvider = getattr(request.app.state, "gc_pinned", None) or node_pins
-    pinned = provider(node)
     # Optional hook (e.g. emitting BlockRemoved events) taking each deleted batch.
     on_removed: Callable[[list[str]], None] | None = getattr(request.app.state, "gc_on_removed", None)
     registry = _registry(request)
@@ -165,9 +196,10 @@ def start_gc(body: GCRequest, request: Request) -> dict[str, Any]:
             max_bytes=body.max_bytes,
             grace_seconds=body.grace_seconds,
             dry_run=body.dry_run,
-            pinned=pinned,
+            pinned=provider(node),
             on_removed=on_removed,
             holder=f"admin-job-{job.id}",
+            cancel=job.cancel,
         )
         return report.as_dict()
 
@@ -179,6 +211,15 @@ def start_gc(body: GCRequest, request: Request) -> dict[str, Any]:
 @router.get("/jobs/{job_id}", responses=errors(404))
 def get_job(job_id: str, request: Request) -> dict[str, Any]:
     snapshot = _registry(request).snapshot(job_id)
+    if snapshot is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id!r}")
+    return snapshot
+
+
+@router.delete("/jobs/{job_id}", status_code=status.HTTP_202_ACCEPTED, responses=errors(404))
+def cancel_job(job_id: str, request: Request) -> dict[str, Any]:
+    """Ask a job to stop (202 with its state); a finished job is left as it was."""
+    snapshot = _registry(request).cancel(job_id)
     if snapshot is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id!r}")
     return snapshot

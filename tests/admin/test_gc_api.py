@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -12,11 +12,15 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from kvstore.admin.app import create_app
 from kvstore.admin.routes_gc import router
+from typing_extensions import override
 
+from kvstore import gc as gc_module
 from kvstore.keys import KVCacheGroup, Namespace, make_offload_key
 from kvstore.lease import Lease
-from kvstore.pins import create_pin
+from kvstore.pins import PIN_PREFIX, create_pin
 from kvstore.runtime import Node
+from kvstore.stores import ObjectInfo, ObjectStore
+from kvstore.stores.base import Data
 
 pytestmark = pytest.mark.integration
 
@@ -44,10 +48,10 @@ def wait_job(client: TestClient, job_id: str, headers: dict[str, str] | None = N
         job = client.get(f"/v1/jobs/{job_id}", headers=headers)
         assert job.status_code == 200
         body: dict[str, Any] = job.json()
-        if body["status"] in ("done", "failed"):
+        if body["status"] in ("done", "failed", "cancelled"):
             return body
         time.sleep(0.05)
-    raise AssertionError(f"job {job_id} did not finish")
+    raise AssertionError(f"job {job_id} did not finish: {body}")
 
 
 def test_auth(node: Node) -> None:
@@ -177,3 +181,110 @@ def test_gc_publishes_block_removed_for_deleted_chunks_only(
     app.state.events.publish_removed([keys["young"]])
     _, seq, marker = kv_subscriber.next()
     assert seq == 1 and marker.events[0].block_hashes == [as_vllm["young"]]
+
+
+class SlowStore(ObjectStore):
+    """The node's real store, with a delay before reading a pin manifest and before each batch delete."""
+
+    def __init__(self, inner: ObjectStore, pin_read_s: float = 0.0, delete_s: float = 0.0) -> None:
+        self.inner, self.pin_read_s, self.delete_s = inner, pin_read_s, delete_s
+        self.batches = 0
+
+    @property
+    @override
+    def url(self) -> str:
+        return self.inner.url
+
+    @override
+    def get(self, key: str) -> bytes | None:
+        if key.startswith(PIN_PREFIX):
+            time.sleep(self.pin_read_s)
+        return self.inner.get(key)
+
+    @override
+    def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        return self.inner.get_range(key, start, length)
+
+    @override
+    def put(self, key: str, data: Data) -> None:
+        self.inner.put(key, data)
+
+    @override
+    def put_if_absent(self, key: str, data: Data) -> bool:
+        return self.inner.put_if_absent(key, data)
+
+    @override
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        return self.inner.exists_many(keys)
+
+    @override
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    @override
+    def delete_many(self, keys: Sequence[str]) -> None:
+        if any(k.endswith(".bin") for k in keys):
+            time.sleep(self.delete_s)
+            self.batches += 1
+        self.inner.delete_many(keys)
+
+    @override
+    def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[ObjectInfo]:
+        return self.inner.list(prefix, start_after)
+
+    @override
+    def check(self) -> None:
+        self.inner.check()
+
+    @override
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _old_chunks(node: Node, n: int) -> list[str]:
+    keys = [NS.chunk_key(make_offload_key(i.to_bytes(32, "big"))) for i in range(n)]
+    for key in keys:
+        node.store.put(key, b"\x00" * 10)
+    time.sleep(1.1)  # S3 times have one-second resolution: older than the zero grace period below
+    return keys
+
+
+def test_post_gc_answers_at_once_and_the_job_reads_the_pins(node: Node) -> None:
+    keys = _old_chunks(node, 6)
+    for i in range(5):
+        create_pin(node.store, f"p{i}", NS, [keys[i]])
+    node.store = SlowStore(node.store, pin_read_s=1.0)  # five manifests: five seconds to read them all
+    client = TestClient(make_app(node))
+    began = time.monotonic()
+    started = client.post("/v1/gc", json={"ttl_seconds": 0, "grace_seconds": 0})
+    assert started.status_code == 202
+    assert time.monotonic() - began < 2.5  # reading the manifests in the request took 5+ s
+    job = wait_job(client, started.json()["id"])
+    assert job["status"] == "done", job
+    assert job["result"]["pin_manifests"] == 5 and job["result"]["kept_pinned"] == 5
+    assert job["result"]["deleted"] == 1 and node.store.get(keys[5]) is None
+
+
+def test_delete_job_cancels_a_running_gc(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gc_module, "DELETE_BATCH", 5)
+    keys = _old_chunks(node, 60)
+    slow = SlowStore(node.store, delete_s=0.3)  # twelve batches: about four seconds
+    node.store = slow
+    client = TestClient(make_app(node))
+    job_id = client.post("/v1/gc", json={"ttl_seconds": 0, "grace_seconds": 0}).json()["id"]
+    deadline = time.monotonic() + 30
+    while slow.batches < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    cancelled = client.delete(f"/v1/jobs/{job_id}")
+    assert cancelled.status_code == 202 and cancelled.json()["status"] == "cancelling"
+    job = wait_job(client, job_id)
+    assert job["status"] == "cancelled" and "cancelled" in job["error"]
+    left = sum(node.store.exists_many(keys))
+    assert 0 < left < len(keys) and slow.batches < 12
+    # The run released its lease: the next GC starts and finishes the work.
+    again = wait_job(client, client.post("/v1/gc", json={"ttl_seconds": 0, "grace_seconds": 0}).json()["id"])
+    assert again["status"] == "done" and not any(node.store.exists_many(keys))
+    # Cancelling a finished or unknown job.
+    assert client.delete(f"/v1/jobs/{job_id}").json()["status"] == "cancelled"
+    assert client.delete("/v1/jobs/nope").status_code == 404

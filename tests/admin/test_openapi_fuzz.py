@@ -61,7 +61,7 @@ def _wait_for_jobs(app: FastAPI, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with registry._lock:
-            busy = [j for j in registry._jobs.values() if j.status in ("pending", "running")]
+            busy = [j for j in registry._jobs.values() if j.status in ("pending", "running", "cancelling")]
         if not busy:
             return
         time.sleep(0.1)

@@ -147,7 +147,7 @@ def wait_job(client: TestClient, job_id: str) -> dict[str, Any]:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         body: dict[str, Any] = client.get(f"/v1/jobs/{job_id}").json()
-        if body["status"] in ("done", "failed"):
+        if body["status"] in ("done", "failed", "cancelled"):
             return body
         time.sleep(0.05)
     raise AssertionError(f"job {job_id} did not finish")

@@ -53,7 +53,7 @@ def wait_job(client: TestClient, job_id: str) -> dict[str, Any]:
         r = client.get(f"/v1/jobs/{job_id}")
         assert r.status_code == 200, r.text
         body: dict[str, Any] = r.json()
-        if body["status"] in ("done", "failed"):
+        if body["status"] in ("done", "failed", "cancelled"):
             return body
         time.sleep(0.05)
     raise AssertionError(f"job {job_id} did not finish")
