@@ -9,10 +9,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -22,6 +23,9 @@ from kvstore.cache import NVMeCache
 from kvstore.config import Settings, load_settings
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.stores import ObjectStore
+
+if TYPE_CHECKING:
+    from kvstore.runtime import Node
 
 EXIT_PROBLEMS, EXIT_CONFIG, EXIT_UNAVAILABLE, EXIT_BUSY = 1, 2, 3, 4
 
@@ -44,6 +48,16 @@ def _settings(**overrides: object) -> Settings:
         raise typer.Exit(EXIT_CONFIG) from None
 
 
+def _finite_seconds(option: str, value: float | None, *, positive: bool = False) -> None:
+    """Refuse NaN, infinities and negatives (click's ranges let NaN through: every comparison is False)."""
+    if value is None:
+        return
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        err.print(f"[red]bad arguments:[/red] {option} must be a finite number {bound}, got {value}")
+        raise typer.Exit(EXIT_CONFIG)
+
+
 @contextlib.contextmanager
 def _store(settings: Settings, failure: str, *, subprefix: str = "") -> Iterator[ObjectStore]:
     """The configured object store (the embedded one if none), closed on exit; a store error becomes a
@@ -52,6 +66,9 @@ def _store(settings: Settings, failure: str, *, subprefix: str = "") -> Iterator
 
     try:
         store, server = open_object_store(settings, subprefix=subprefix)
+    except ConfigError as exc:
+        err.print(f"[red]{failure}:[/red] {exc}")
+        raise typer.Exit(EXIT_CONFIG) from None
     except KVStoreError as exc:
         err.print(f"[red]{failure}:[/red] {exc}")
         raise typer.Exit(EXIT_UNAVAILABLE) from None
@@ -66,23 +83,51 @@ def _store(settings: Settings, failure: str, *, subprefix: str = "") -> Iterator
             server.stop()
 
 
+def _open_node(settings: Settings, failure: str, *, check_store: bool = True) -> Node:
+    """`open_node`, with a bad configuration as exit code 2 and an unusable store or cache as 3."""
+    from kvstore.runtime import open_node
+
+    try:
+        return open_node(settings, check_store=check_store)
+    except ConfigError as exc:
+        err.print(f"[red]{failure}:[/red] {exc}")
+        raise typer.Exit(EXIT_CONFIG) from None
+    except KVStoreError as exc:
+        err.print(f"[red]{failure}:[/red] {exc}")
+        raise typer.Exit(EXIT_UNAVAILABLE) from None
+
+
 @app.command()
 def serve(
     host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1)")] = None,
-    port: Annotated[int | None, typer.Option(help="Port (default 8750)")] = None,
+    port: Annotated[int | None, typer.Option(help="Port, 1-65535 (default 8750)")] = None,
+    insecure_no_auth: Annotated[
+        bool,
+        typer.Option(
+            "--insecure-no-auth",
+            help="Serve /v1 without a token on a non-loopback address: anyone who reaches it can run GC",
+        ),
+    ] = False,
 ) -> None:
     """Run the admin service (health, metrics). Starts a local S3 server if none is configured."""
     import uvicorn
     from kvstore.admin.app import create_app
-
-    from kvstore.runtime import open_node
+    from kvstore.admin.auth import is_loopback
 
     settings = _settings(admin_host=host, admin_port=port)
-    try:
-        node = open_node(settings)
-    except KVStoreError as exc:
-        err.print(f"[red]cannot start:[/red] {exc}")
-        raise typer.Exit(EXIT_UNAVAILABLE) from None
+    if settings.admin_token is None and not is_loopback(settings.admin_host):
+        if not insecure_no_auth:
+            err.print(
+                f"[red]refusing to serve the admin API on {settings.admin_host!r} without a token:[/red] "
+                "anyone who reaches it could pin, warm and garbage-collect. Set KVSTORE_ADMIN_TOKEN, bind to "
+                "127.0.0.1, or pass --insecure-no-auth if something else guards the network."
+            )
+            raise typer.Exit(EXIT_CONFIG)
+        err.print(
+            f"[yellow]warning:[/yellow] the /v1 API on {settings.admin_host!r} accepts requests from anyone "
+            "(--insecure-no-auth)"
+        )
+    node = _open_node(settings, "cannot start")
     try:
         if node.embedded is not None:
             console.print(
@@ -149,6 +194,7 @@ def pin_add(
     if (prompt is None) == (token_ids is None) or (prompt is not None and model_path is None):
         err.print("[red]give exactly one of --prompt (with --model-path) or --token-ids[/red]")
         raise typer.Exit(EXIT_CONFIG)
+    _finite_seconds("--ttl-seconds", ttl_seconds, positive=True)
     with _store(_settings(), "cannot pin") as store:
         try:
             ns = load_namespace(store, namespace)
@@ -198,15 +244,9 @@ def stats(
     scan_bucket: Annotated[bool, typer.Option(help="Count the bucket's chunk objects (lists it)")] = True,
 ) -> None:
     """Per-tier usage and hit rates, NVMe usage, bucket size, pins and the last GC of this node."""
-    from kvstore.runtime import open_node
     from kvstore.stats import node_stats
 
-    settings = _settings()
-    try:
-        node = open_node(settings, check_store=False)
-    except KVStoreError as exc:
-        err.print(f"[red]cannot open the node:[/red] {exc}")
-        raise typer.Exit(EXIT_UNAVAILABLE) from None
+    node = _open_node(_settings(), "cannot open the node", check_store=False)
     try:
         console.print_json(json.dumps(node_stats(node, scan_bucket=scan_bucket), default=str))
     finally:
@@ -229,18 +269,12 @@ def warm(
 ) -> None:
     """Prefetch a prompt's chunks into this node's NVMe cache; have vLLM produce the missing ones."""
     from kvstore.pins import tokens_from_prompt
-    from kvstore.runtime import open_node
     from kvstore.warm import warm as run_warm
 
     if (prompt is None) == (token_ids is None) or (prompt is not None and model_path is None):
         err.print("[red]give exactly one of --prompt (with --model-path) or --token-ids[/red]")
         raise typer.Exit(EXIT_CONFIG)
-    settings = _settings()
-    try:
-        node = open_node(settings)
-    except KVStoreError as exc:
-        err.print(f"[red]cannot open the node:[/red] {exc}")
-        raise typer.Exit(EXIT_UNAVAILABLE) from None
+    node = _open_node(_settings(), "cannot open the node")
     try:
         if token_ids is not None:
             tokens = [int(t) for t in token_ids.split(",") if t.strip()]
@@ -292,8 +326,12 @@ def gc(
     from kvstore.events import open_publisher
     from kvstore.gc import run_gc
     from kvstore.lease import LeaseHeld
-    from kvstore.pins import pinned_keys
 
+    _finite_seconds("--ttl-seconds", ttl_seconds)
+    _finite_seconds("--grace-seconds", grace_seconds)
+    if max_bytes is not None and max_bytes < 0:
+        err.print(f"[red]bad arguments:[/red] --max-bytes must be >= 0, got {max_bytes}")
+        raise typer.Exit(EXIT_CONFIG)
     settings = _settings()
     try:
         publisher = None if dry_run else open_publisher(settings.events_endpoint)
@@ -311,7 +349,7 @@ def gc(
                 max_bytes=max_bytes,
                 grace_seconds=grace_seconds,
                 dry_run=dry_run,
-                pinned=pinned_keys(store),
+                # The bucket's pin manifests are read by run_gc itself, and re-read before every delete.
                 on_removed=publisher.publish_removed if publisher is not None else None,
             )
         except LeaseHeld as exc:
@@ -659,6 +697,12 @@ def main() -> None:
     except ConfigError as exc:
         err.print(f"[red]configuration error:[/red] {exc}")
         sys.exit(EXIT_CONFIG)
+    except KVStoreError as exc:  # a store or cache failure no command translated itself
+        err.print(f"[red]error:[/red] {exc}")
+        sys.exit(EXIT_UNAVAILABLE)
+    except OSError as exc:  # e.g. a directory on a read-only or full file system: a message, not a traceback
+        err.print(f"[red]error:[/red] {exc}")
+        sys.exit(EXIT_UNAVAILABLE)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ variables and are never printed: `SecretStr` keeps them out of reprs and logs.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import re
 import tomllib
@@ -30,9 +32,17 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from kvstore.chunk import Codec
 from kvstore.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 GiB = 1 << 30
 MiB = 1 << 20
 LOCAL_REGION = "local"
+# Every float setting is a number of seconds: finite, >= 0 and at most this (far below what a thread wait
+# accepts, `threading.TIMEOUT_MAX`), so no value can stop a loop for good or overflow a wait.
+MAX_SECONDS = 10_000_000.0
+# Environment variables with the KVSTORE_ prefix that are not settings.
+_OTHER_ENV = frozenset({"KVSTORE_CONFIG_FILE"})
+_OTHER_ENV_PREFIXES = ("KVSTORE_TEST_", "KVSTORE_FUZZ_")  # the test suite's own knobs
 # Region names become metric label values and log words: keep them short and plain.
 _REGION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
@@ -180,6 +190,11 @@ class Settings(BaseSettings):
     admin_host: str = "127.0.0.1"
     admin_port: int = 8750
     admin_token: SecretStr | None = None
+    # Request limits of the admin API: a bigger body answers 413; a pin or warm request with more tokens, or
+    # whose tokens make more chunk keys (blocks to hash), answers 422. Memory and time per request follow.
+    admin_max_body_bytes: int = 4 * MiB
+    admin_max_tokens: int = 262_144
+    admin_max_chunks: int = 65_536
     # GC publishes BlockRemoved here in vLLM's KV-event format (e.g. tcp://127.0.0.1:5557); empty = off.
     events_endpoint: str = ""
     data_dir: Path = Field(default_factory=default_data_dir)
@@ -196,6 +211,10 @@ class Settings(BaseSettings):
             except ValueError as exc:
                 raise ValueError(f"looks like a JSON list of stores but does not parse: {exc}") from None
         if isinstance(value, list | tuple):
+            if not value:
+                raise ValueError(
+                    "an empty list names no store (leave store_url unset for the embedded server)"
+                )
             return _store_specs(value)
         raise ValueError("expected a store URL or a list of stores (URL strings or tables with 'url')")
 
@@ -225,6 +244,30 @@ class Settings(BaseSettings):
     def _positive_workers(cls, value: int) -> int:
         if value <= 0:
             raise ValueError("must be at least 1")
+        return value
+
+    @field_validator("admin_port")
+    @classmethod
+    def _tcp_port(cls, value: int) -> int:
+        if not 1 <= value <= 65535:
+            raise ValueError(f"must be a TCP port between 1 and 65535, got {value}")
+        return value
+
+    @field_validator("admin_max_body_bytes", "admin_max_tokens", "admin_max_chunks")
+    @classmethod
+    def _positive_limit(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError("must be at least 1")
+        return value
+
+    @field_validator("*")
+    @classmethod
+    def _finite_seconds(cls, value: Any) -> Any:
+        # NaN passes every `< 0` check and inf stops a wait forever: refuse both for every float setting.
+        if isinstance(value, float) and not (math.isfinite(value) and 0 <= value <= MAX_SECONDS):
+            raise ValueError(
+                f"must be a finite number of seconds between 0 and {MAX_SECONDS:.0f}, got {value}"
+            )
         return value
 
     @field_validator("codec")
@@ -277,8 +320,28 @@ class Settings(BaseSettings):
         return stores[0].url if stores else ""
 
 
+def unknown_environment(environ: dict[str, str] | None = None) -> list[str]:
+    """`KVSTORE_*` variables that name no setting (a typo is otherwise silently ignored)."""
+    known = set(_OTHER_ENV)
+    for name, info in Settings.model_fields.items():
+        known.add(f"KVSTORE_{name.upper()}")
+        if isinstance(info.validation_alias, AliasChoices):
+            known.update(str(a).upper() for a in info.validation_alias.choices if isinstance(a, str))
+    environ = dict(os.environ) if environ is None else environ
+    return sorted(
+        k
+        for k in environ
+        if k.upper().startswith("KVSTORE_")
+        and k.upper() not in known
+        and not k.upper().startswith(_OTHER_ENV_PREFIXES)
+    )
+
+
 def load_settings(**overrides: Any) -> Settings:
-    """Build settings, turning validation errors into one ConfigError that names each bad option."""
+    """Build settings, turning validation errors into one ConfigError that names each bad option. Unknown
+    `KVSTORE_*` environment variables are logged as a warning, each by name."""
+    for name in unknown_environment():
+        log.warning("ignoring %s: no kvstore setting has that name (a typo?)", name)
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:

@@ -48,7 +48,10 @@ def open_store(
         path = unquote(parts.path)
         if not path.startswith("/"):
             raise ConfigError(f"store URL {url!r}: file URLs need an absolute path, e.g. file:///var/kv")
-        return LocalStore(path)
+        try:
+            return LocalStore(path)
+        except OSError as exc:  # e.g. the directory cannot be created on a read-only file system
+            raise ConfigError(f"store URL {url!r}: cannot create {path}: {exc.strerror or exc}") from None
     if scheme == "memory":
         name = parts.netloc + parts.path
         with _memory_lock:

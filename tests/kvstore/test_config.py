@@ -173,3 +173,50 @@ def test_bad_store_lists_name_the_option(store_url: object, problem: str) -> Non
 def test_bad_remote_settings_name_the_option(overrides: dict[str, object]) -> None:
     with pytest.raises(ConfigError, match=next(iter(overrides))):
         load_settings(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"pin_sync_s": float("inf")}, "pin_sync_s"),
+        ({"outage_cooldown_s": float("nan")}, "outage_cooldown_s"),
+        ({"probe_miss_ttl_s": -1.0}, "probe_miss_ttl_s"),
+        ({"remote_timeout_s": 1e300}, "remote_timeout_s"),
+        ({"admin_port": 99999}, "admin_port"),
+        ({"admin_port": 0}, "admin_port"),
+        ({"store_url": "[]"}, "store_url"),
+        ({"store_url": []}, "store_url"),
+        ({"admin_max_body_bytes": 0}, "admin_max_body_bytes"),
+    ],
+)
+def test_numbers_finite_and_in_range_and_no_empty_store_list(
+    overrides: dict[str, object], named: str
+) -> None:
+    with pytest.raises(ConfigError, match=named):
+        load_settings(**overrides)
+
+
+def test_every_float_setting_refuses_nan_and_infinity() -> None:
+    from kvstore.config import Settings
+
+    floats = [name for name, info in Settings.model_fields.items() if info.annotation in (float, "float")]
+    assert "pin_sync_s" in floats and "outage_cooldown_s" in floats
+    for name in floats:
+        for bad in (float("nan"), float("inf")):
+            with pytest.raises(ConfigError, match=name):
+                load_settings(**{name: bad})
+
+
+def test_unknown_kvstore_variables_are_warned_by_name(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvstore.config import unknown_environment
+
+    monkeypatch.setenv("KVSTORE_CACHE_BYTE", "1")
+    monkeypatch.setenv("KVSTORE_CACHE_BYTES", "12345")
+    monkeypatch.setenv("KVSTORE_SECRET_KEY", "x")  # an alias of secret_key
+    monkeypatch.setenv("KVSTORE_CONFIG_FILE", "")
+    assert unknown_environment() == ["KVSTORE_CACHE_BYTE"]
+    with caplog.at_level("WARNING", logger="kvstore.config"):
+        assert load_settings().cache_bytes == 12345
+    assert "KVSTORE_CACHE_BYTE:" in caplog.text and "KVSTORE_CACHE_BYTES" not in caplog.text
