@@ -4,7 +4,8 @@ Routes here: `/healthz` (store and cache reachability) and `/metrics` (Prometheu
 resource routers (GC and jobs, pins, warm and stats) require the admin bearer token when one is configured.
 With `events_endpoint` configured, GC jobs publish `BlockRemoved` for each deleted batch (`kvstore.events`).
 Library errors a route lets through still answer JSON: a `ConfigError` is the caller's input (422), any other
-`KVStoreError` a store or cache that cannot be used now (503); never an unexplained 500.
+`KVStoreError` a store or cache that cannot be used now (503); never an unexplained 500. Request size limits
+and JSON-safe validation errors (NaN, infinities) come from `kvstore.admin.limits`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request, Response, status
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from kvstore.admin import routes_gc, routes_pins, routes_warm
+from kvstore.admin.limits import BodyLimit, validation_error
 from kvstore.admin.openapi import errors
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -51,6 +54,8 @@ def create_app(node: Node) -> FastAPI:
     app.include_router(routes_gc.router)
     app.include_router(routes_pins.router)
     app.include_router(routes_warm.router)
+    app.add_middleware(BodyLimit, max_bytes=node.settings.admin_max_body_bytes)
+    app.add_exception_handler(RequestValidationError, validation_error)
 
     @app.exception_handler(KVStoreError)
     def library_error(request: Request, exc: KVStoreError) -> JSONResponse:

@@ -3,7 +3,8 @@
 Creating a pin computes the chunk keys (token ids, a prompt or chat messages, hashed like vLLM) and writes the
 manifest; nodes pick it up through `kvstore.pins.apply_pins`, which this service runs for its own node after
 every create and delete (the answer's `node_pins` says what changed, or why it could not). Errors map to 404
-(unknown pin or namespace), 409 (name taken) and 422 (bad input), each as JSON `{"detail": ...}`.
+(unknown pin or namespace), 409 (name taken), 413 (body too large) and 422 (bad input, or more tokens or
+chunks than `admin_max_tokens` / `admin_max_chunks`), each as JSON `{"detail": ...}`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response, status
 from kvstore.admin.auth import require_token
+from kvstore.admin.limits import check_tokens
 from kvstore.admin.openapi import AUTH_ERRORS, JsonInt, NonNegativeJsonInt, PositiveJsonInt, errors
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.config import JsonDict
@@ -159,6 +161,18 @@ def _namespace(body: PinIn, node: Node) -> Namespace:
     )
 
 
+def check_limits(namespace: Namespace, tokens: list[int], body: PinIn, node: Node) -> None:
+    """The request limits of the settings (422 when passed), before any token is hashed."""
+    settings = node.settings
+    check_tokens(
+        namespace,
+        len(tokens),
+        blocks_per_chunk=body.blocks_per_chunk,
+        max_tokens=settings.admin_max_tokens,
+        max_chunks=settings.admin_max_chunks,
+    )
+
+
 def _tokens(body: PinIn) -> list[int]:
     if body.token_ids is not None:
         return body.token_ids
@@ -169,12 +183,13 @@ def _tokens(body: PinIn) -> list[int]:
     return tokens_from_messages(body.model_path, body.messages)
 
 
-@router.post("/pins", status_code=status.HTTP_201_CREATED, responses=errors(400, 404, 409, 422, 503))
+@router.post("/pins", status_code=status.HTTP_201_CREATED, responses=errors(400, 404, 409, 413, 422, 503))
 def create(body: PinIn, request: Request) -> dict[str, Any]:
     node = _node(request)
     try:
         namespace = _namespace(body, node)
         tokens = _tokens(body)
+        check_limits(namespace, tokens, body, node)
         keys = keys_for_tokens(namespace, tokens, blocks_per_chunk=body.blocks_per_chunk)
         if not keys:
             raise ConfigError(

@@ -8,6 +8,7 @@ vLLM request, waiting for uploads) runs as a job in the registry `routes_gc` kee
 
 from __future__ import annotations
 
+import threading
 from typing import Annotated, Any
 
 import httpx
@@ -15,8 +16,9 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from kvstore.admin.auth import require_token
 from kvstore.admin.openapi import AUTH_ERRORS, errors
 from kvstore.admin.routes_gc import _registry
-from kvstore.admin.routes_pins import PIN_NAME_SCHEMA, ModelName, PinIn, _namespace, _tokens
+from kvstore.admin.routes_pins import PIN_NAME_SCHEMA, ModelName, PinIn, _namespace, _tokens, check_limits
 from pydantic import Field, field_validator
+from typing_extensions import override
 
 from kvstore.errors import ConfigError
 from kvstore.pins import NamespaceNotFound, keys_for_tokens, validate_pin_name
@@ -64,12 +66,58 @@ class WarmIn(PinIn):  # type: ignore[misc]
         return None if value is None else validate_pin_name(value)
 
 
-@router.post("/warm", status_code=status.HTTP_202_ACCEPTED, responses=errors(400, 404, 422, 503))
+class CancellableTransport(httpx.BaseTransport):
+    """HTTP for a warm job's vLLM requests, each sent from a helper thread so that cancelling the job ends
+    the wait at once (a blocked socket read cannot be interrupted from another thread); the abandoned
+    request ends by itself at its own timeout."""
+
+    def __init__(self, cancel: threading.Event) -> None:
+        self._inner = httpx.HTTPTransport()
+        self._cancel = cancel
+
+    @override
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        outcome: list[httpx.Response | BaseException] = []
+        done = threading.Event()
+
+        def send() -> None:
+            try:
+                response = self._inner.handle_request(request)
+                try:
+                    content = response.read()
+                finally:
+                    response.close()
+                outcome.append(
+                    httpx.Response(response.status_code, headers=response.headers, content=content)
+                )
+            except BaseException as exc:  # handed to the waiting job thread
+                outcome.append(exc)
+            finally:
+                done.set()
+
+        if self._cancel.is_set():
+            raise httpx.ConnectError("the job was cancelled", request=request)
+        threading.Thread(target=send, name="kvstore-warm-http", daemon=True).start()
+        while not done.wait(0.1):
+            if self._cancel.is_set():
+                raise httpx.ConnectError("the job was cancelled", request=request)
+        result = outcome[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    @override
+    def close(self) -> None:
+        self._inner.close()
+
+
+@router.post("/warm", status_code=status.HTTP_202_ACCEPTED, responses=errors(400, 404, 413, 422, 503))
 def start_warm(body: WarmIn, request: Request) -> dict[str, Any]:
     node: Node = request.app.state.node
     try:
         namespace = _namespace(body, node)
         tokens = _tokens(body)
+        check_limits(namespace, tokens, body, node)
         if not keys_for_tokens(namespace, tokens, blocks_per_chunk=body.blocks_per_chunk):
             raise ConfigError(
                 f"{len(tokens)} tokens make no full chunk "
@@ -81,22 +129,26 @@ def start_warm(body: WarmIn, request: Request) -> dict[str, Any]:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
     registry = _registry(request)
     job = registry.create("warm")
+    # A cancelled job stops waiting for vLLM at once (DELETE /v1/jobs/{id}).
+    http = httpx.Client(timeout=body.timeout_s, transport=CancellableTransport(job.cancel))
 
     def work() -> dict[str, Any]:
-        report = warm(
-            node,
-            namespace,
-            tokens,
-            vllm_url=body.vllm_url,
-            model=body.model,
-            prefetch=body.prefetch,
-            pin=body.pin,
-            pin_ttl_s=body.ttl_seconds,
-            blocks_per_chunk=body.blocks_per_chunk,
-            timeout_s=body.timeout_s,
-            poll_s=body.poll_s,
-        )
-        return report.as_dict()
+        with http:
+            report = warm(
+                node,
+                namespace,
+                tokens,
+                vllm_url=body.vllm_url,
+                model=body.model,
+                prefetch=body.prefetch,
+                pin=body.pin,
+                pin_ttl_s=body.ttl_seconds,
+                blocks_per_chunk=body.blocks_per_chunk,
+                timeout_s=body.timeout_s,
+                poll_s=body.poll_s,
+                client=http,
+            )
+            return report.as_dict()
 
     accepted = {"id": job.id, "status": job.status, "namespace": namespace.id, "num_tokens": len(tokens)}
     registry.run(job, work)
