@@ -1,6 +1,7 @@
 """The admin HTTP service: a FastAPI app built by `create_app(node)`, so tests build apps with their own node.
 
-Routes here: `/healthz` (store and cache reachability) and `/metrics` (Prometheus), open to all; the `/v1`
+Routes here: `/healthz` (store and cache reachability; the store is checked in the background, so it answers
+within two seconds whatever the store does) and `/metrics` (Prometheus), open to all; the `/v1`
 resource routers (GC and jobs, pins, warm and stats) require the admin bearer token when one is configured.
 With `events_endpoint` configured, GC jobs publish `BlockRemoved` for each deleted batch (`kvstore.events`).
 Library errors a route lets through still answer JSON: a `ConfigError` is the caller's input (422), any other
@@ -11,6 +12,7 @@ and JSON-safe validation errors (NaN, infinities) come from `kvstore.admin.limit
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,12 +22,34 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from kvstore.admin import routes_gc, routes_pins, routes_warm
 from kvstore.admin.limits import BodyLimit, validation_error
 from kvstore.admin.openapi import errors
+from kvstore.admin.status import Refreshed, Snapshot
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.events import open_publisher
 from kvstore.pins import PinSyncLoop
 from kvstore.runtime import Node
+from kvstore.stats import store_stats
+
+HEALTH_WAIT_S = 1.5  # `/healthz` answers within this (plus local work) whatever the store does
+STATS_WAIT_S = 1.0
+STATS_MAX_AGE_S = 10.0  # `/v1/stats` lists the bucket at most this often, in the background
+
+
+def store_health(snapshot: Snapshot[None], url: str) -> dict[str, Any]:
+    """The store part of `/healthz` from the last background check."""
+    out: dict[str, Any] = {"url": url}
+    if snapshot.age_s is not None:
+        out["checked_s_ago"] = round(snapshot.age_s, 1)
+    if snapshot.overdue_s is not None:
+        return {
+            **out,
+            "ok": False,
+            "error": f"no answer from the object store for {snapshot.overdue_s:.1f} s",
+        }
+    if snapshot.error is not None:
+        return {**out, "ok": False, "error": str(snapshot.error)}
+    return {**out, "ok": True}
 
 
 def create_app(node: Node) -> FastAPI:
@@ -63,14 +87,21 @@ def create_app(node: Node) -> FastAPI:
             return JSONResponse({"detail": str(exc)}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
         return JSONResponse({"detail": str(exc)}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
 
+    # The store is asked on a background thread; a request waits for it 1.5 s at most (see `status`).
+    health = Refreshed(node.store.check, max_age_s=2.0, wait_s=HEALTH_WAIT_S, name="health")
+    app.state.store_stats = {
+        scan: Refreshed(
+            functools.partial(store_stats, node, scan_bucket=scan),
+            max_age_s=STATS_MAX_AGE_S,
+            wait_s=STATS_WAIT_S,
+            name="stats",
+        )
+        for scan in (True, False)
+    }
+
     @app.get("/healthz", responses=errors(503))
     def healthz() -> JSONResponse:
-        checks: dict[str, Any] = {}
-        try:
-            node.store.check()
-            checks["store"] = {"ok": True, "url": node.store.url}
-        except KVStoreError as exc:
-            checks["store"] = {"ok": False, "url": node.store.url, "error": str(exc)}
+        checks: dict[str, Any] = {"store": store_health(health.get(), node.store.url)}
         try:
             usage = node.cache.usage()
             checks["cache"] = {

@@ -17,13 +17,14 @@ from kvstore.admin.auth import require_token
 from kvstore.admin.openapi import AUTH_ERRORS, errors
 from kvstore.admin.routes_gc import _registry
 from kvstore.admin.routes_pins import PIN_NAME_SCHEMA, ModelName, PinIn, _namespace, _tokens, check_limits
+from kvstore.admin.status import Snapshot
 from pydantic import Field, field_validator
 from typing_extensions import override
 
 from kvstore.errors import ConfigError
 from kvstore.pins import NamespaceNotFound, keys_for_tokens, validate_pin_name
 from kvstore.runtime import Node
-from kvstore.stats import node_stats
+from kvstore.stats import local_stats
 from kvstore.warm import warm
 
 __all__ = ["WarmIn", "router"]
@@ -157,5 +158,24 @@ def start_warm(body: WarmIn, request: Request) -> dict[str, Any]:
 
 @router.get("/stats", responses=errors(422))
 def stats(request: Request, scan_bucket: Annotated[bool, Query()] = True) -> dict[str, Any]:
+    """This node's figures. What needs the object store comes from a background run at most a few seconds
+    old (`store_sections` says how old, and whether a newer run is overdue); the rest is live."""
     node: Node = request.app.state.node
-    return node_stats(node, scan_bucket=scan_bucket)
+    out = local_stats(node)
+    snapshot: Snapshot[dict[str, Any]] = request.app.state.store_stats[scan_bucket].get()
+    if snapshot.value is not None:
+        out.update(snapshot.value)
+    elif snapshot.error is not None or snapshot.overdue_s is not None:
+        problem = {"error": f"object store sections unavailable: {snapshot.error or 'no answer yet'}"}
+        out.update(bucket={"skipped": not scan_bucket, **problem}, pins=dict(problem), last_gc=None)
+    if snapshot.overdue_s is not None:
+        out["store"] = {
+            "url": node.store.url,
+            "reachable": False,
+            "error": f"no answer from the object store for {snapshot.overdue_s:.1f} s",
+        }
+    out["store_sections"] = {
+        "age_s": None if snapshot.age_s is None else round(snapshot.age_s, 1),
+        "overdue_s": None if snapshot.overdue_s is None else round(snapshot.overdue_s, 1),
+    }
+    return out

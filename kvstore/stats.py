@@ -21,7 +21,7 @@ from kvstore.pins import list_pins
 from kvstore.runtime import Node
 from kvstore.stores import ObjectStore, RegionalStore
 
-__all__ = ["BucketSize", "bucket_size", "node_stats"]
+__all__ = ["BucketSize", "bucket_size", "local_stats", "node_stats", "store_stats"]
 
 
 @dataclass(frozen=True)
@@ -104,11 +104,23 @@ def _regions(store: RegionalStore) -> list[dict[str, Any]]:
 
 def node_stats(node: Node, *, scan_bucket: bool = True) -> dict[str, Any]:
     """A JSON-ready summary of the node. `scan_bucket=False` skips the (full) bucket listing."""
+    return {**local_stats(node), **store_stats(node, scan_bucket=scan_bucket)}
+
+
+def local_stats(node: Node) -> dict[str, Any]:
+    """The sections that need no object store: tiers, NVMe usage, the upload backlog. Never blocks on the
+    network (the admin service answers these live and the rest from `store_stats` run in the background)."""
     out: dict[str, Any] = _tiers(node.engine)
     out["nvme"] = _nvme(node.cache)
+    out["upload_queue_bytes"] = node.engine.upload_queue_bytes
+    return out
+
+
+def store_stats(node: Node, *, scan_bucket: bool = True) -> dict[str, Any]:
+    """The sections that ask the object store: regions, reachability, bucket size, pins, the last GC."""
+    out: dict[str, Any] = {}
     if isinstance(node.store, RegionalStore):
         out["regions"] = _regions(node.store)
-    out["upload_queue_bytes"] = node.engine.upload_queue_bytes
     store: dict[str, Any] = {"url": node.store.url}
     try:
         node.store.check()

@@ -1,12 +1,20 @@
 """An S3 store: the data path (GET, HEAD, PUT) through obstore (`s3_data.py`), the control path (buckets,
 listings, deletes) through the MinIO SDK; bounded timeouts and retries, errors translated at this edge.
 
-Both clients share the same short connect/read timeouts and bounded retry budget (connection errors and
-5xx), so an unreachable endpoint becomes `StoreUnavailable` within seconds instead of an SDK's minutes.
+Every request has a deadline, so a server that stops answering (frozen, overloaded, partitioned; it may still
+accept connections, the kernel does that for it) becomes `StoreUnavailable` in seconds, not minutes:
+
+- data path: each attempt is bounded as a whole (`connect_timeout + read_timeout`, body included), and no
+  retry starts once `deadline` could be passed, so one call takes at most about `deadline` (5 s by default);
+  quick failures (refused, reset, 5xx) are retried, a timed-out attempt is not;
+- control path: `connect_timeout`, then `control_read_timeout` between bytes (a listing page or a batch
+  delete makes the server work before it answers); connection errors and 5xx are retried a bounded number
+  of times, read errors and timeouts are not, so a frozen server fails one call in about 11 s.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -37,20 +45,29 @@ _AWS_ENDPOINT = "https://s3.amazonaws.com"
 
 @dataclass(frozen=True, slots=True)
 class S3Options:
-    """Network behaviour of an `S3Store`. The defaults fail an unreachable endpoint in a few seconds."""
+    """Network behaviour of an `S3Store` (see the module docstring). The defaults give up on a server that
+    does not answer in about 5 s on the data path and 11 s on the control path."""
 
-    connect_timeout: float = 2.0
-    read_timeout: float = 20.0
-    # Total retries per request (connection errors, read errors, 5xx); backoff 0, 0.2, 0.4, ... s.
-    retries: int = 3
-    backoff: float = 0.2
-    backoff_max: float = 1.0
+    connect_timeout: float = 1.0
+    # Data path: one whole attempt (headers and body) may take `connect_timeout + read_timeout`.
+    read_timeout: float = 3.0
+    # Retries per request (connection errors, 5xx); backoff 0.1, 0.2, ... s, at most `backoff_max`.
+    retries: int = 2
+    backoff: float = 0.1
+    backoff_max: float = 0.5
+    # Data path: all attempts of one call together; a retry starts only if it can end before this.
+    deadline: float = 5.0
+    # Control path: the longest silence between bytes of an answer (listings, batch deletes, bucket checks).
+    control_read_timeout: float = 10.0
     # Threads for `exists_many`; the connection pool is sized to match so parallel requests never queue.
     workers: int = 16
 
     def __post_init__(self) -> None:
-        if self.connect_timeout <= 0 or self.read_timeout <= 0:
-            raise ConfigError("S3 timeouts must be > 0")
+        timeouts = (self.connect_timeout, self.read_timeout, self.deadline, self.control_read_timeout)
+        if not all(math.isfinite(t) and t > 0 for t in timeouts):
+            raise ConfigError("S3 timeouts and deadlines must be finite and > 0")
+        if not (math.isfinite(self.backoff) and math.isfinite(self.backoff_max)):
+            raise ConfigError("S3 backoff must be finite")
         if self.retries < 0 or self.workers < 1:
             raise ConfigError("S3 retries must be >= 0 and workers >= 1")
 
@@ -118,11 +135,14 @@ class S3Store(ObjectStore):
         self._region = region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or _DEFAULT_REGION
         opts = self._options
         self._http = urllib3.PoolManager(
-            timeout=urllib3.Timeout(connect=opts.connect_timeout, read=opts.read_timeout),
+            timeout=urllib3.Timeout(connect=opts.connect_timeout, read=opts.control_read_timeout),
             maxsize=opts.workers + 4,
             block=False,
             retries=urllib3.Retry(
                 total=opts.retries,
+                # A read error or timeout means the server got the request and did not answer: asking again
+                # would double the wait on a frozen server (and every call we make is idempotent anyway).
+                read=0,
                 backoff_factor=opts.backoff,
                 backoff_max=opts.backoff_max,
                 status_forcelist=(500, 502, 503, 504),
@@ -156,6 +176,7 @@ class S3Store(ObjectStore):
             retries=opts.retries,
             backoff=opts.backoff,
             backoff_max=opts.backoff_max,
+            deadline=opts.deadline,
         )
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()

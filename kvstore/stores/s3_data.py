@@ -60,8 +60,8 @@ class _RangeNotSatisfiable(Exception):
 
 
 class S3DataPath:
-    """GET / HEAD / PUT of whole objects and ranges in one bucket, with the same timeouts and retry budget as
-    the control path, and errors translated into the library's tree."""
+    """GET / HEAD / PUT of whole objects and ranges in one bucket, each call bounded by `deadline` (see
+    `s3.py`), with errors translated into the library's tree."""
 
     def __init__(
         self,
@@ -78,9 +78,11 @@ class S3DataPath:
         retries: int,
         backoff: float,
         backoff_max: float,
+        deadline: float,
     ) -> None:
         self._bucket = bucket
         self._where = endpoint or "AWS"
+        attempt_s = connect_timeout + read_timeout
         config: dict[str, object] = {"region": region, "virtual_hosted_style_request": endpoint is None}
         if endpoint is not None:
             config["endpoint"] = endpoint
@@ -98,7 +100,8 @@ class S3DataPath:
             client_options={
                 "allow_http": not secure,
                 "connect_timeout": timedelta(seconds=connect_timeout),
-                "timeout": timedelta(seconds=connect_timeout + read_timeout),
+                # The whole attempt, body included: a server that stops mid-answer cannot hold us longer.
+                "timeout": timedelta(seconds=attempt_s),
             },
             retry_config={
                 "max_retries": retries,
@@ -107,7 +110,9 @@ class S3DataPath:
                     "max_backoff": timedelta(seconds=backoff_max),
                     "base": 2,
                 },
-                "retry_timeout": timedelta(seconds=(retries + 1) * (connect_timeout + read_timeout)),
+                # No retry starts later than this after the first attempt began, so the last attempt ends by
+                # `deadline`: quick failures are retried, a timed-out attempt (a frozen server) is not.
+                "retry_timeout": timedelta(seconds=max(0.0, deadline - attempt_s)),
             },
         )
 
