@@ -30,15 +30,33 @@ class BucketNotFound(StoreError):
 
 
 class ChunkError(KVStoreError):
-    """Bytes that claim to be a chunk cannot be trusted; they are never returned to a caller."""
+    """Bytes that claim to be a chunk cannot be served; they are never returned to a caller."""
 
 
-class ChunkFormatError(ChunkError):
-    """Malformed or truncated chunk: bad magic, unknown version or codec, wrong lengths."""
+class ChunkCorrupt(ChunkError):
+    """Proven damage to a chunk in a format this reader knows: the only kind a reader may delete."""
 
 
-class ChecksumMismatch(ChunkError):
-    """The payload decodes, but its checksum differs from the one in the header."""
+class ChunkFormatError(ChunkCorrupt):
+    """A chunk of a known version whose header or lengths are inconsistent, or whose bytes are truncated."""
+
+
+class ChecksumMismatch(ChunkCorrupt):
+    """The payload decodes, but its bytes (or its key) do not match the checksum in the header."""
+
+
+class KeyMismatch(ChunkCorrupt):
+    """A valid chunk stored under another key's name: never served as that key's KV."""
+
+
+class ChunkUnreadable(ChunkError):
+    """This reader cannot interpret the chunk (a newer version, an unknown codec, another buffer size, not a
+    kvstore chunk at all): a miss, and the chunk is left alone for the readers that can."""
+
+
+class LegacyChunk(ChunkUnreadable):
+    """A version-1 chunk: valid, but not bound to its key, so it is not served; `kvstore migrate` upgrades
+    it."""
 
 
 class CacheError(KVStoreError):
