@@ -168,9 +168,15 @@ class Settings(BaseSettings):
 
     # Data path.
     codec: str = "none"
-    upload_queue_bytes: int = 1 * GiB
     upload_workers: int = 8
     io_workers: int = 16
+    # Threads that read and write NVMe chunk files (O_DIRECT); device queue depth comes from these.
+    disk_workers: int = 8
+    # O_DIRECT for chunk files: the page cache never holds a second copy of NVMe-resident chunks. Falls back
+    # to buffered I/O where the filesystem refuses it (ramfs, older tmpfs); false forces buffered I/O.
+    direct_io: bool = True
+    # How long a load waits for the object store before its missing chunks count as misses.
+    load_timeout_s: float = 5.0
     probe_hit_ttl_s: float = 600.0
     probe_miss_ttl_s: float = 2.0
     outage_cooldown_s: float = 5.0
@@ -225,21 +231,21 @@ class Settings(BaseSettings):
             raise ValueError("must be >= 0 (0 turns it off)")
         return value
 
-    @field_validator("remote_timeout_s", "remote_cooldown_s")
+    @field_validator("remote_timeout_s", "remote_cooldown_s", "load_timeout_s")
     @classmethod
     def _positive_seconds(cls, value: float) -> float:
         if value <= 0:
             raise ValueError("must be a positive number of seconds")
         return value
 
-    @field_validator("cache_bytes", "upload_queue_bytes", "remote_copy_queue_bytes")
+    @field_validator("cache_bytes", "remote_copy_queue_bytes")
     @classmethod
     def _positive_bytes(cls, value: int) -> int:
         if value <= 0:
             raise ValueError("must be a positive number of bytes")
         return value
 
-    @field_validator("upload_workers", "io_workers", "remote_workers")
+    @field_validator("upload_workers", "io_workers", "disk_workers", "remote_workers")
     @classmethod
     def _positive_workers(cls, value: int) -> int:
         if value <= 0:

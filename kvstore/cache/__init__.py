@@ -1,7 +1,19 @@
-"""The node-local NVMe cache of chunk blobs: ``NVMeCache`` plus its value types and fsck report."""
+"""The node-local NVMe cache of chunks: ``NVMeCache`` plus its value types, fsck report and index rebuild."""
 
-from kvstore.cache.fsck import FsckReport
-from kvstore.cache.index import SCHEMA_VERSION
-from kvstore.cache.nvme import CachedChunk, CacheUsage, NVMeCache
+from kvstore.cache.fsck import FsckReport, RebuildReport, rebuild_index
+from kvstore.cache.index import SCHEMA_VERSION, Backlog
+from kvstore.cache.nvme import CachedChunk, CacheUsage, NVMeCache, ReadResult, ReadStatus, StagedFile
 
-__all__ = ["SCHEMA_VERSION", "CacheUsage", "CachedChunk", "FsckReport", "NVMeCache"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "Backlog",
+    "CacheUsage",
+    "CachedChunk",
+    "FsckReport",
+    "NVMeCache",
+    "ReadResult",
+    "ReadStatus",
+    "RebuildReport",
+    "StagedFile",
+    "rebuild_index",
+]

@@ -1,9 +1,9 @@
-"""Placing chunk files on disk: names, atomic writes, reads and removal. No index, no eviction.
+"""Placing chunk files on disk: names, atomic writes, direct reads and removal. No index, no eviction.
 
 Layout under the cache directory::
 
-    <dir>/chunks/<hh>/<digest>.<token>    one admitted chunk blob, immutable once renamed into place
-    <dir>/tmp/<digest>.<token>.tmp         a write in progress (or a leftover of a crashed writer)
+    <dir>/chunks/<hh>/<digest>.<token>         one admitted chunk, immutable once renamed into place
+    <dir>/tmp/<pid>.<digest>.<token>.tmp       a write in progress (or the leftover of a killed writer)
 
 ``digest`` is the 32-hex BLAKE2b-128 of the key's UTF-8 bytes, ``hh`` its first two hex digits (256 fan-out
 directories keep directory sizes small), ``token`` 16 random hex digits drawn per admission and stored in the
@@ -11,25 +11,48 @@ index entry. Because every admission gets a fresh name, two processes racing to 
 can never unlink or overwrite each other's live file: a name is written once, by one writer, and removed once.
 
 A file is written to ``tmp/`` and renamed into ``chunks/`` only when complete, so a process killed mid-write
-leaves at most a tmp file (an orphan for fsck), never a partial file under a final name.
+leaves at most a tmp file, never a partial file under a final name. Tmp names carry the writer's pid, so the
+next process to open the cache removes the leftovers of writers that are gone (``reclaim_tmp``).
+
+Direct I/O: files are written and read with O_DIRECT (chunk files are laid out in 4 KiB blocks for this, see
+``kvstore.chunk``), so bytes move between the device and the caller's buffer without a page-cache copy, and a
+node's NVMe cache does not double the RAM that vLLM's CPU tier already spends on the hot set. Where the
+filesystem refuses O_DIRECT (tmpfs, some overlay and network filesystems) a probe at start-up finds out once
+and every file uses buffered I/O instead. O_DIRECT needs every buffer aligned to 4 KiB in address and length;
+a buffer that is not (a header held in a ``bytes``, an odd-sized tail) goes through a small per-thread
+aligned buffer instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
+import logging
+import mmap
 import os
 import secrets
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from kvstore.chunk import BLOCK, Buffer
 from kvstore.errors import CacheError
+
+log = logging.getLogger(__name__)
 
 CHUNKS_DIR = "chunks"
 TMP_DIR = "tmp"
 TMP_SUFFIX = ".tmp"
 TOKEN_BYTES = 8
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+# A tmp file this old is a leftover whatever its pid says (the pid may have been reused): no write takes this
+# long.
+_TMP_MAX_AGE_S = 3600.0
 
 
 def key_digest(key: str) -> str:
@@ -52,34 +75,92 @@ class DiskFile:
     is_tmp: bool
 
 
+@dataclass(frozen=True)
+class Reclaimed:
+    files: int
+    bytes: int
+
+
+class _Aligned(threading.local):
+    """Per-thread 4 KiB-aligned buffers for the pieces O_DIRECT cannot take from the caller."""
+
+    def __init__(self) -> None:
+        self.head = mmap.mmap(-1, BLOCK)  # anonymous maps are page-aligned
+        self.tail = mmap.mmap(-1, BLOCK)
+        self.staging = mmap.mmap(-1, BLOCK)
+
+    def staging_of(self, nbytes: int) -> memoryview:
+        if len(self.staging) < nbytes:
+            self.staging.close()
+            self.staging = mmap.mmap(-1, _round_up(nbytes))
+        return memoryview(self.staging)[:nbytes]
+
+
+def _round_up(n: int) -> int:
+    return (n + BLOCK - 1) & ~(BLOCK - 1)
+
+
+def _address(buf: Buffer) -> int:
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if len(buf) else 0
+
+
+def is_aligned(buf: Buffer) -> bool:
+    """Whether O_DIRECT can use `buf` as it is: 4 KiB-aligned address and length."""
+    view = memoryview(buf)
+    return view.nbytes % BLOCK == 0 and _address(view.cast("B") if view.ndim != 1 else view) % BLOCK == 0
+
+
 class ChunkFiles:
     """Writes, reads and removes chunk files under one cache directory. Safe to share between threads."""
 
-    def __init__(self, directory: str | os.PathLike[str], *, fsync: bool = False) -> None:
+    def __init__(self, directory: str | os.PathLike[str], *, fsync: bool = False, direct_io: bool = True):
         self.root = Path(directory)
         self._root_str = str(self.root)
         self.fsync = fsync
         self._chunks = self.root / CHUNKS_DIR
         self._tmp = self.root / TMP_DIR
         self._tmp_str = str(self._tmp)
+        self._pid = os.getpid()
+        self._buffers = _Aligned()
         try:
             self._tmp.mkdir(parents=True, exist_ok=True)
             self._chunks.mkdir(exist_ok=True)
-            self._probe()
+            self.direct_io = self._probe(direct_io)
         except OSError as exc:
             raise CacheError(
                 f"cache directory {str(self.root)!r} is not usable: {exc.strerror or exc}"
             ) from exc
 
-    def _probe(self) -> None:
-        # Permissions alone do not tell (root, read-only mounts, full disks): really create and remove a file.
-        probe = self._tmp / f".probe-{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}"
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    def _probe(self, want_direct: bool) -> bool:
+        """Really create, write and remove a file (permissions alone do not tell: root, read-only mounts,
+        full disks), with O_DIRECT if wanted; whether O_DIRECT works here."""
+        probe = f"{self._tmp_str}/{self._pid}.probe-{secrets.token_hex(4)}{TMP_SUFFIX}"
+        page = self._buffers.head
         try:
-            os.write(fd, b"probe")
+            if want_direct and O_DIRECT:
+                try:
+                    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT, 0o644)
+                    try:
+                        os.write(fd, page)
+                    finally:
+                        os.close(fd)
+                    return True
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self.unlink_path(probe)
+                    log.warning(
+                        "%s refuses O_DIRECT: chunk files use buffered I/O (the page cache keeps copies)",
+                        self.root,
+                    )
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                os.write(fd, page)
+            finally:
+                os.close(fd)
+            return False
         finally:
-            os.close(fd)
-        probe.unlink()
+            self.unlink_path(probe)
 
     def relpath(self, key: str, token: bytes) -> str:
         """The final file name of one admission, relative to the cache directory."""
@@ -93,21 +174,34 @@ class ChunkFiles:
         """`path` as a plain string: the load hot path, where pathlib's overhead shows."""
         return f"{self._root_str}/{self.relpath(key, token)}"
 
-    def write(self, key: str, token: bytes, blob: bytes | memoryview) -> str:
-        """Write ``blob`` under a tmp name, then rename it to its final name; returns the final path.
+    # -- writes ------------------------------------------------------------------------------------------
+
+    def write(self, key: str, token: bytes, parts: Sequence[Buffer]) -> str:
+        """Write the concatenation of ``parts`` under a tmp name, then rename it to its final name; returns
+        the final path. With O_DIRECT the total must be a multiple of 4 KiB (chunk files always are).
 
         Raises OSError (disk full, directory removed, ...); no partial file is left under a final name.
         """
         # Plain strings: this runs once per stored chunk, inside vLLM, where pathlib's overhead holds the GIL.
         final = self.path_str(key, token)
         folder, name = final.rsplit("/", 1)
-        tmp = f"{self._tmp_str}/{name}{TMP_SUFFIX}"
+        tmp = f"{self._tmp_str}/{self._pid}.{name}{TMP_SUFFIX}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        iov: Sequence[Buffer] = parts
+        if self.direct_io:
+            flags |= O_DIRECT
+            iov = self._aligned_iov(parts)
         try:
-            with open(tmp, "xb") as f:
-                f.write(blob)
+            fd = os.open(tmp, flags, 0o644)
+            try:
+                expected = sum(memoryview(p).nbytes for p in iov)
+                written = os.pwritev(fd, iov, 0)
+                if written != expected:  # a regular file writes short only when the disk is full
+                    raise OSError(errno.ENOSPC, f"short write: {written} of {expected} bytes")
                 if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
             try:
                 os.rename(tmp, final)
             except FileNotFoundError:
@@ -122,20 +216,110 @@ class ChunkFiles:
             raise
         return final
 
-    def read(self, key: str, token: bytes) -> bytes | None:
-        """The file's bytes, or None if it is gone (another process evicted it, or a crash lost it)."""
+    def _aligned_iov(self, parts: Sequence[Buffer]) -> list[Buffer]:
+        """``parts`` as buffers O_DIRECT accepts: the caller's own memory where it is aligned (the payload
+        straight from vLLM's primary region), this thread's aligned buffers for the header block and for an
+        odd-sized tail, and one staged copy of everything when the payload itself is not aligned."""
+        views = [_flat(p) for p in parts]
+        total = sum(len(v) for v in views)
+        if total % BLOCK:
+            raise ValueError(f"an O_DIRECT chunk file must be whole 4 KiB blocks, got {total} bytes")
+        if len(views) >= 2 and len(views[0]) == BLOCK:
+            payload = views[1]
+            body = len(payload) - len(payload) % BLOCK
+            if body and _address(payload) % BLOCK == 0:
+                buffers = self._buffers
+                buffers.head[:] = views[0]
+                out: list[Buffer] = [buffers.head, payload[:body]]
+                rest = bytes(payload[body:]) + b"".join(bytes(v) for v in views[2:])
+                if len(rest) == BLOCK:
+                    buffers.tail[:] = rest
+                    out.append(buffers.tail)
+                elif rest:
+                    return [self._staged(views, total)]
+                return out
+        return [self._staged(views, total)]
+
+    def _staged(self, views: Sequence[memoryview], total: int) -> memoryview:
+        """Everything copied into this thread's aligned staging buffer (one copy, done without the GIL)."""
+        staging = self._buffers.staging_of(total)
+        at = 0
+        target = np.frombuffer(staging, dtype=np.uint8)
+        for view in views:
+            target[at : at + len(view)] = np.frombuffer(view, dtype=np.uint8)
+            at += len(view)
+        return staging
+
+    # -- reads -------------------------------------------------------------------------------------------
+
+    def read_into(self, path: str, offset: int, dest: memoryview) -> int:
+        """Read ``len(dest)`` bytes at ``offset`` of the file into ``dest``; the number of bytes read (less
+        at the end of a short file). FileNotFoundError if the file is gone (another process evicted it).
+
+        With O_DIRECT, an aligned ``dest`` is filled straight from the device, with no copy; any other is
+        filled through this thread's staging buffer."""
+        out = _flat(dest)
+        if not self.direct_io:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                return _read_fully(fd, out, offset)
+            finally:
+                os.close(fd)
+        fd = os.open(path, os.O_RDONLY | O_DIRECT)
         try:
-            with open(self.path(key, token), "rb") as f:
-                return f.read()
+            if is_aligned(out):
+                return _read_fully(fd, out, offset)
+            staging = self._buffers.staging_of(_round_up(len(out)))
+            got = _read_fully(fd, staging, offset)
+            n = min(got, len(out))
+            np.copyto(np.frombuffer(out, dtype=np.uint8)[:n], np.frombuffer(staging, dtype=np.uint8)[:n])
+            return n
+        finally:
+            os.close(fd)
+
+    def read_whole(self, path: str, size: int) -> memoryview:
+        """The first ``size`` bytes of the file (shorter if the file is), in this thread's staging buffer:
+        valid until this thread's next read. FileNotFoundError if the file is gone."""
+        staging = self._buffers.staging_of(_round_up(size))
+        fd = os.open(path, os.O_RDONLY | (O_DIRECT if self.direct_io else 0))
+        try:
+            got = _read_fully(fd, staging, 0)
+        finally:
+            os.close(fd)
+        return staging[: min(got, size)]
+
+    def read(self, key: str, token: bytes) -> bytes | None:
+        """The file's bytes (a copy), or None if it is gone (another process evicted it, or a crash lost
+        it). For tools; the data path reads with ``read_into``."""
+        path = self.path_str(key, token)
+        try:
+            size = os.stat(path).st_size
+            return bytes(self.read_whole(path, size))
         except FileNotFoundError:
             return None
 
+    # -- removal and scans -------------------------------------------------------------------------------
+
     def unlink(self, key: str, token: bytes) -> None:
-        self.unlink_path(self.path(key, token))
+        self.unlink_path(self.path_str(key, token))
 
     def unlink_path(self, path: str | Path) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+    def reclaim_tmp(self) -> Reclaimed:
+        """Remove tmp files left by writers that are gone (their pid is not alive, or the file is older than
+        any write takes); what it freed. Files of this process and of live writers are left alone."""
+        files = freed = 0
+        now = time.time()
+        for entry in self._scan_dir(self._tmp, is_tmp=True):
+            pid = _writer_pid(entry.name)
+            stale = now - entry.mtime_ns / 1e9 > _TMP_MAX_AGE_S
+            if stale or (pid is not None and pid != self._pid and not _alive(pid)):
+                self.unlink_path(self.root / entry.name)
+                files += 1
+                freed += entry.size
+        return Reclaimed(files, freed)
 
     def scan(self) -> Iterator[DiskFile]:
         """Every file under ``chunks/`` and ``tmp/`` (fsck's view of the disk)."""
@@ -158,6 +342,39 @@ class ChunkFiles:
                 continue  # removed while we scanned (a concurrent eviction)
             name = os.path.relpath(entry.path, self.root)
             yield DiskFile(name=name, size=st.st_size, mtime_ns=st.st_mtime_ns, is_tmp=is_tmp)
+
+
+def _flat(buf: Buffer) -> memoryview:
+    view = memoryview(buf)
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
+def _read_fully(fd: int, buf: Buffer, offset: int) -> int:
+    """Fill ``buf`` from ``offset``; fewer bytes only where the file ends."""
+    view = _flat(buf)
+    got = os.preadv(fd, [view], offset)
+    while 0 < got < len(view):  # a short read mid-file is legal, if rare; at the end of the file it is 0
+        more = os.preadv(fd, [view[got:]], offset + got)
+        if more == 0:
+            break
+        got += more
+    return got
+
+
+def _writer_pid(name: str) -> int | None:
+    base = name.rsplit("/", 1)[-1]
+    head = base.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
 
 
 def _fsync_dir(directory: str | Path) -> None:

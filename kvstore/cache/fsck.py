@@ -4,12 +4,17 @@ Findings:
 * orphan files: on disk but named by no index entry (leftovers of crashed writers, stale tmp files,
   stray files);
 * missing files: indexed, but the file is gone;
-* bad checksums: the file's size or xxh3-128 differs from the entry, or the blob fails
-  ``kvstore.chunk.decode``;
+* bad checksums: the file's size differs from the entry, or the chunk fails ``kvstore.chunk.verify`` as
+  its key's chunk, or its content checksum differs from the entry's;
 * drift: the usage/entry counters or the LRU database disagree with the entries.
 
 Repair (``fix=True``) drops entries of missing and bad files (index first), rebuilds counters and LRU order,
 and only then deletes bad and orphan files. The report describes what was found; a second run is clean.
+
+A damaged index (``CacheIndex`` refuses to open it) is rebuilt by ``rebuild_index`` from the chunk files
+themselves: every file names its key in its header. The old index is kept aside, and every rebuilt chunk is
+queued for upload again (whether it had been uploaded was recorded only in the lost index; uploading
+content-addressed data twice is harmless). Pins come back with the next pin sync from the bucket.
 
 Races with live writers: the disk is scanned *before* the index is read, so a file renamed and committed in
 between is either unseen or indexed; a missing file is re-checked before it is reported. A file renamed but
@@ -19,16 +24,19 @@ anyway is safe: its entry then points at nothing, which readers treat as a miss 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-import xxhash
-
-from kvstore.cache.files import ChunkFiles
-from kvstore.cache.index import CacheIndex, Entry
+from kvstore.cache.files import CHUNKS_DIR, ChunkFiles
+from kvstore.cache.index import INDEX_DIR, CacheIndex, Entry
+from kvstore.chunk import HEADER_BLOCK, ChunkHeader, parse_header, verify
 from kvstore.errors import ChunkError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class FsckReport:
     recorded_entries: int
     lru_mismatches: int
     fixed: bool
+    lost_uploads: int = 0  # removed entries whose chunk had not reached the object store
 
     @property
     def usage_drift(self) -> int:
@@ -83,28 +92,26 @@ class FsckReport:
             "recorded_entries": self.recorded_entries,
             "entries_drift": self.entries_drift,
             "lru_mismatches": self.lru_mismatches,
+            "lost_uploads": self.lost_uploads,
         }
 
 
-def _default_verifier() -> Callable[[bytes], object]:
-    from kvstore.chunk import decode  # imported late: the cache itself never interprets blobs
-
-    return decode
+def _default_verifier() -> Callable[[str, bytes], ChunkHeader]:
+    return verify
 
 
-def _blob_ok(path: str, entry: Entry, verify: Callable[[bytes], object]) -> bool:
+def _blob_ok(key: str, path: str, entry: Entry, check_chunk: Callable[[str, bytes], ChunkHeader]) -> bool:
     try:
         with open(path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
         return True  # evicted while we looked: not corruption
-    if len(data) != entry.size or xxhash.xxh3_128_digest(data) != entry.checksum:
+    if len(data) != entry.size:
         return False
     try:
-        verify(data)
+        return check_chunk(key, data).checksum == entry.checksum
     except ChunkError:
         return False
-    return True
 
 
 def check(
@@ -114,10 +121,10 @@ def check(
     fix: bool = False,
     verify_checksums: bool = True,
     orphan_min_age_s: float = 0.0,
-    verify: Callable[[bytes], object] | None = None,
+    verify_chunk: Callable[[str, bytes], ChunkHeader] | None = None,
 ) -> tuple[FsckReport, list[str]]:
     """Run fsck; returns the report and the keys whose entries a repair removed."""
-    verify = verify or _default_verifier()
+    check_chunk = verify_chunk or _default_verifier()
     disk = {f.name: f for f in files.scan()}
     young_after = time.time_ns() - int(orphan_min_age_s * 1e9)
 
@@ -131,15 +138,18 @@ def check(
         if name not in disk:
             if not os.path.exists(path):  # committed after our scan is fine; really gone is not
                 missing.append((key, entry.token))
-        elif verify_checksums and not _blob_ok(path, entry, verify):
+        elif verify_checksums and not _blob_ok(key, path, entry, check_chunk):
             bad.append((key, entry.token))
     orphans = sorted(n for n, f in disk.items() if n not in expected and f.mtime_ns <= young_after)
     rec_used, used, rec_count, count, lru_bad = index.audit()
 
     removed: list[str] = []
+    lost = 0
     if fix:
         # Index first, files second: no entry may point at a file we are about to delete.
-        removed = [key for key, _ in index.remove_many(missing + bad)]
+        dropped = index.remove_many(missing + bad)
+        removed = [key for key, _ in dropped]
+        lost = sum(entry.pending_upload for _, entry in dropped)
         index.rebuild()
         for key, token in bad:
             files.unlink(key, token)
@@ -157,5 +167,88 @@ def check(
         recorded_entries=rec_count,
         lru_mismatches=lru_bad,
         fixed=fix,
+        lost_uploads=lost,
     )
     return report, removed
+
+
+@dataclass(frozen=True)
+class RebuildReport:
+    kept_aside: str  # where the damaged index now lies
+    entries: int
+    bytes: int
+    skipped_files: int  # not a valid chunk (removed)
+
+
+def rebuild_index(directory: str | os.PathLike[str], *, batch: int = 512) -> RebuildReport:
+    """Replace a damaged index with one rebuilt from the chunk files (see the module docstring). The cache
+    must not be open anywhere while this runs."""
+    root = Path(directory)
+    old = root / INDEX_DIR
+    aside = root / f"{INDEX_DIR}.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
+    if old.exists():
+        old.rename(aside)
+    files = ChunkFiles(root)
+    index = CacheIndex(root)
+    entries = nbytes = skipped = 0
+    pending: list[tuple[str, Entry]] = []
+    queued = time.time_ns()
+    try:
+        for found in files.scan():
+            if found.is_tmp or not found.name.startswith(CHUNKS_DIR + "/"):
+                continue
+            path = str(root / found.name)
+            entry = _entry_from_file(files, path, found.name, queued)
+            if entry is None:
+                files.unlink_path(path)
+                skipped += 1
+                continue
+            pending.append(entry)
+            if len(pending) >= batch:
+                entries, nbytes = _admit_rebuilt(files, index, pending, entries, nbytes)
+                pending = []
+        entries, nbytes = _admit_rebuilt(files, index, pending, entries, nbytes)
+    finally:
+        index.close()
+    log.warning(
+        "rebuilt the cache index of %s from %d chunk files; the damaged one is %s", root, entries, aside
+    )
+    return RebuildReport(kept_aside=str(aside), entries=entries, bytes=nbytes, skipped_files=skipped)
+
+
+def _entry_from_file(files: ChunkFiles, path: str, name: str, queued_ns: int) -> tuple[str, Entry] | None:
+    """The index entry a chunk file stands for, or None if it is not a whole, valid chunk under its name."""
+    token_hex = name.rsplit(".", 1)[-1]
+    try:
+        token = bytes.fromhex(token_hex)
+        with open(path, "rb") as f:
+            data = f.read()
+        header = parse_header(data[:HEADER_BLOCK])
+        if files.relpath(header.key, token) != name:
+            return None  # a file under another key's name
+        verify(header.key, data)
+    except (ValueError, OSError, ChunkError):
+        return None
+    return header.key, Entry(
+        size=header.total_length,
+        checksum=header.checksum,
+        last_access_ns=time.time_ns(),
+        token=token,
+        codec=int(header.codec),
+        raw_length=header.raw_length,
+        queued_ns=queued_ns,
+    )
+
+
+def _admit_rebuilt(
+    files: ChunkFiles, index: CacheIndex, items: list[tuple[str, Entry]], entries: int, nbytes: int
+) -> tuple[int, int]:
+    if not items:
+        return entries, nbytes
+    for (key, entry), admission in zip(items, index.admit_many(items, 1 << 62, {}), strict=True):
+        if admission.admitted:
+            entries += 1
+            nbytes += entry.size
+        else:
+            files.unlink(key, entry.token)  # a second file of a key already rebuilt
+    return entries, nbytes

@@ -1,25 +1,36 @@
-"""The LMDB index of the NVMe cache: entries, LRU order, pins, counters. The single source of truth.
+"""The LMDB index of the NVMe cache: entries, LRU order, pins, the upload journal, counters. The single
+source of truth.
 
 Every process on a node that shares a cache directory opens the same LMDB environment in ``<dir>/index/``;
 LMDB serialises write transactions across processes and gives readers consistent snapshots without locks.
 Sub-databases (keys are the chunk key's UTF-8 bytes unless stated):
 
-``entries``  key -> ``ENTRY`` struct ``<Q16sQ8sB``, 41 bytes: size, checksum (xxh3-128 of the whole blob),
-             last access (ns since the epoch), file token (8 random bytes naming the file, see ``files.py``),
-             state (always 1 = ready: entries are written only after their file is complete; the field
-             leaves room for in-flight reservations without a schema change).
+``entries``  key -> ``ENTRY`` struct ``<Q16sQ8sBBQQ``, 58 bytes: file size, the chunk's content checksum (from
+             its header: xxh3-128 over key and raw bytes, so a read verifies against the index alone), last
+             access (ns since the epoch), file token (8 random bytes naming the file, see ``files.py``), state
+             (always 1 = ready: entries are written only after their file is complete), codec, raw length,
+             and the time it was queued for upload (0: the object store has it, or there is none).
 ``lru``      8-byte big-endian last access ns + key -> b"". Holds only *evictable* entries: a pinned entry has
              no LRU record, so eviction walks from the oldest record and never has to skip pinned ones.
 ``pins``     key -> ``<Q`` pin count. Counts exist for keys not (yet) cached, so a pinned prompt admitted
              later is never evicted. Pins persist: they are node-wide state, not per-process leases.
-``meta``     ``schema_version`` (``<Q``, currently 1), ``used_bytes`` and ``entries`` (``<Q`` counters kept in
-             step with ``entries`` inside every write transaction).
+``uploads``  8-byte big-endian queued ns + key -> ``<Q`` not-before ns: the upload journal, oldest first.
+             The NVMe copy is the only copy of such a chunk until an uploader PUTs it; an uploader claims a
+             batch by moving its not-before time past a lease, so the node's processes share the work and a
+             crashed uploader's claims expire. A failed PUT moves it to the retry time.
+``meta``     ``schema_version`` (``<Q``, currently 2) and ``<Q`` counters kept in step with ``entries`` and
+             ``uploads`` inside every write transaction: ``used_bytes``, ``entries``, ``upload_bytes``,
+             ``upload_entries``.
 
 LMDB forbids opening one environment twice in a process, so environments are shared through a process-wide
 registry keyed by real path. After ``fork`` the child keeps using the inherited handle: py-lmdb refuses a
 second handle on the same files, and closing the inherited one would run ``mdb_env_close``, which clears the
 *parent's* reader slots. The one cost: the child's readers are recorded under the parent's pid, so a reader
 slot of a child killed mid-read is reclaimed only when the parent exits. Prefer 'spawn' for workers.
+
+A damaged index is refused at open with a `CacheError` (`fsck --fix` rebuilds it from the self-describing
+chunk files): a data file shorter than its own meta pages say would otherwise crash the process with SIGBUS
+on the first read of a missing page.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import functools
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import ParamSpec, TypeVar
@@ -36,18 +48,21 @@ import lmdb
 
 from kvstore.errors import CacheError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 STATE_READY = 1
 MAX_KEY_BYTES = 500  # LMDB's key limit is 511 bytes and LRU keys carry an 8-byte prefix
 DEFAULT_MAP_SIZE = 64 << 30  # sparse: LMDB only grows the file as pages are used
 INDEX_DIR = "index"
 
-_ENTRY = struct.Struct("<Q16sQ8sB")
+_ENTRY = struct.Struct("<Q16sQ8sBBQQ")
 _U64 = struct.Struct("<Q")
 _TS = struct.Struct(">Q")  # big-endian so LMDB's byte order is time order
 _SCHEMA_KEY = b"schema_version"
 _USED_KEY = b"used_bytes"
 _COUNT_KEY = b"entries"
+_UPLOAD_BYTES_KEY = b"upload_bytes"
+_UPLOAD_COUNT_KEY = b"upload_entries"
+_DB_NAMES = (b"entries", b"lru", b"pins", b"uploads", b"meta")
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -62,9 +77,25 @@ class Entry:
     last_access_ns: int
     token: bytes
     state: int = STATE_READY
+    codec: int = 0
+    raw_length: int = 0
+    queued_ns: int = 0  # when it was queued for upload; 0 when nothing is left to upload
+
+    @property
+    def pending_upload(self) -> bool:
+        return self.queued_ns != 0
 
     def pack(self) -> bytes:
-        return _ENTRY.pack(self.size, self.checksum, self.last_access_ns, self.token, self.state)
+        return _ENTRY.pack(
+            self.size,
+            self.checksum,
+            self.last_access_ns,
+            self.token,
+            self.state,
+            self.codec,
+            self.raw_length,
+            self.queued_ns,
+        )
 
     @classmethod
     def unpack(cls, raw: bytes) -> Entry:
@@ -72,11 +103,22 @@ class Entry:
 
 
 @dataclass(frozen=True)
+class Backlog:
+    """Chunks waiting for upload on this node (every process's)."""
+
+    chunks: int
+    bytes: int
+    oldest_queued_ns: int  # 0 when empty
+
+
+@dataclass(frozen=True)
 class Admission:
-    """The outcome of ``CacheIndex.admit``; ``victims``: (key, entry) whose files the caller must unlink."""
+    """The outcome of ``CacheIndex.admit``; ``victims``: (key, entry) whose files the caller must unlink;
+    ``uploading``: the victims an uploader held a claim on (their upload may still finish)."""
 
     admitted: bool
     victims: tuple[tuple[str, Entry], ...] = ()
+    uploading: frozenset[str] = frozenset()
 
 
 def encode_key(key: str) -> bytes:
@@ -109,6 +151,7 @@ class _Shared:
     entries: lmdb._Database
     lru: lmdb._Database
     pins: lmdb._Database
+    uploads: lmdb._Database
     meta: lmdb._Database
     pid: int
     refs: int = 0
@@ -120,17 +163,16 @@ _REGISTRY_LOCK = threading.Lock()
 
 def _open_shared(path: str, map_size: int, max_readers: int, sync: bool) -> _Shared:
     os.makedirs(path, exist_ok=True)
-    env = lmdb.open(path, map_size=map_size, max_dbs=8, max_readers=max_readers, sync=sync, metasync=sync)
+    check_data_file(path)
+    # metasync off: one fsync per commit instead of two. LMDB still flushes a commit's pages before its meta
+    # page, so a crash can lose the last commit but never leaves a torn index.
+    env = lmdb.open(path, map_size=map_size, max_dbs=8, max_readers=max_readers, sync=sync, metasync=False)
     try:
         # Reader slots of SIGKILLed processes would otherwise pin old pages forever.
         env.reader_check()
+        entries, lru, pins, uploads, meta = (env.open_db(name) for name in _DB_NAMES)
         shared = _Shared(
-            env=env,
-            entries=env.open_db(b"entries"),
-            lru=env.open_db(b"lru"),
-            pins=env.open_db(b"pins"),
-            meta=env.open_db(b"meta"),
-            pid=os.getpid(),
+            env=env, entries=entries, lru=lru, pins=pins, uploads=uploads, meta=meta, pid=os.getpid()
         )
         _check_schema(shared, path)
     except BaseException:
@@ -160,6 +202,72 @@ def _check_schema(shared: _Shared, path: str) -> None:
             f"cache index {path!r} has schema version {version}, newer than this kvstore supports "
             f"({SCHEMA_VERSION}); upgrade kvstore or point the cache at another directory"
         )
+    if version < SCHEMA_VERSION:
+        raise CacheError(
+            f"cache index {path!r} has schema version {version}; run `kvstore migrate` to upgrade it "
+            f"to {SCHEMA_VERSION}"
+        )
+
+
+# LMDB's meta pages (pages 0 and 1): a 16-byte page header, then MDB_meta. Only the fields needed to know
+# how long the data file must be: magic, the last page used, and the transaction id that says which of the
+# two metas is current. See lmdb.h / mdb.c (MDB_meta); stable since LMDB 0.9.
+_MDB_MAGIC = 0xBEEFC0DE
+_META = struct.Struct("<IIQQ")  # mm_magic, mm_version, mm_address, mm_mapsize
+_META_AT = 16
+_DB_RECORD = 48  # sizeof(MDB_db) on 64-bit builds
+_LAST_PAGE_AT = _META_AT + _META.size + 2 * _DB_RECORD
+_TAIL = struct.Struct("<QQ")  # mm_last_pg, mm_txnid
+
+
+def check_data_file(path: str) -> None:
+    """CacheError if ``<path>/data.mdb`` is damaged in a way LMDB would only find by crashing: a file shorter
+    than the pages its current meta page says are in use (a truncated file, or torn meta pages). Reads the
+    two meta pages with plain file I/O, before LMDB maps anything."""
+    data = os.path.join(path, "data.mdb")
+    try:
+        size = os.path.getsize(data)
+    except FileNotFoundError:
+        return  # a new index
+    if size == 0:
+        return  # created but never committed: LMDB initialises it
+    with open(data, "rb") as f:
+        head = f.read(2 * 65536)
+    page_size = _page_size(head)
+    metas: list[tuple[int, int]] = []
+    for start in (0, page_size):
+        page = head[start : start + page_size]
+        if len(page) < _LAST_PAGE_AT + _TAIL.size:
+            continue
+        magic = _META.unpack_from(page, _META_AT)[0]
+        if magic == _MDB_MAGIC:
+            last_page, txn = _TAIL.unpack_from(page, _LAST_PAGE_AT)
+            metas.append((txn, last_page))
+    if not metas:
+        raise CacheError(
+            f"cache index {path!r} is damaged (no valid LMDB meta page); run `kvstore fsck --fix` to rebuild "
+            "it from the chunk files"
+        )
+    _, last_page = max(metas)
+    if (last_page + 1) * page_size > size:
+        raise CacheError(
+            f"cache index {path!r} is damaged: data.mdb is {size} bytes but its pages reach "
+            f"{(last_page + 1) * page_size}; run `kvstore fsck --fix` to rebuild it from the chunk files"
+        )
+
+
+def _page_size(head: bytes) -> int:
+    """The page size LMDB used, from the first meta page (``mm_psize`` lives in the free DB's ``md_pad``),
+    or from where a second meta page is found when the first is damaged."""
+    if len(head) >= _LAST_PAGE_AT and _META.unpack_from(head, _META_AT)[0] == _MDB_MAGIC:
+        psize = int.from_bytes(head[_META_AT + _META.size : _META_AT + _META.size + 4], "little")
+        if psize in (4096, 8192, 16384, 32768, 65536):
+            return psize
+    for candidate in (4096, 8192, 16384, 32768, 65536):
+        page = head[candidate : candidate + _META_AT + _META.size]
+        if len(page) == _META_AT + _META.size and _META.unpack_from(page, _META_AT)[0] == _MDB_MAGIC:
+            return candidate
+    return 4096
 
 
 def _acquire(path: str, map_size: int, max_readers: int, sync: bool) -> _Shared:
@@ -297,12 +405,13 @@ class CacheIndex:
         fsync) for a whole batch instead of one per chunk. A later entry may evict an earlier one of the same
         batch when the budget is that small; its victims say so."""
         s = self._db()
+        now = time.time_ns()
         with s.env.begin(write=True) as txn:
             self._apply_touches(txn, s, touches)
-            return [self._admit_one(txn, s, encode_key(key), entry, budget) for key, entry in items]
+            return [self._admit_one(txn, s, encode_key(key), entry, budget, now) for key, entry in items]
 
     def _admit_one(
-        self, txn: lmdb.Transaction[bytes], s: _Shared, k: bytes, entry: Entry, budget: int
+        self, txn: lmdb.Transaction[bytes], s: _Shared, k: bytes, entry: Entry, budget: int, now: int
     ) -> Admission:
         if txn.get(k, db=s.entries) is not None:
             return Admission(False)
@@ -313,16 +422,35 @@ class CacheIndex:
             victims = self._pick_victims(txn, s, need)
             if sum(v.size for _, v in victims) < need:
                 return Admission(False)
+        uploading: set[str] = set()
         for vk, ve in victims:
             txn.delete(vk, db=s.entries)
             txn.delete(_lru_key(ve.last_access_ns, vk), db=s.lru)
+            if self._unqueue(txn, s, vk, ve) > now:
+                uploading.add(vk.decode())
             used -= ve.size
             count -= 1
         txn.put(k, entry.pack(), db=s.entries)
         if txn.get(k, db=s.pins) is None:
             txn.put(_lru_key(entry.last_access_ns, k), b"", db=s.lru)
+        if entry.pending_upload:
+            txn.put(_TS.pack(entry.queued_ns) + k, _U64.pack(0), db=s.uploads)
+            self._add_upload_counters(txn, s, entry.size, 1)
         self._set_counters(txn, s, used + entry.size, count + 1)
-        return Admission(True, tuple((vk.decode(), ve) for vk, ve in victims))
+        return Admission(True, tuple((vk.decode(), ve) for vk, ve in victims), frozenset(uploading))
+
+    def _unqueue(self, txn: lmdb.Transaction[bytes], s: _Shared, k: bytes, entry: Entry) -> int:
+        """Drop `entry`'s upload record, if it has one (it is leaving, or has been uploaded); the record's
+        not-before time (in the future while an uploader holds it), 0 if there was none."""
+        if not entry.pending_upload:
+            return 0
+        record = _TS.pack(entry.queued_ns) + k
+        value = txn.get(record, db=s.uploads)
+        if value is None:
+            return 0
+        txn.delete(record, db=s.uploads)
+        self._add_upload_counters(txn, s, -entry.size, -1)
+        return int(_U64.unpack(value)[0])
 
     def _pick_victims(self, txn: lmdb.Transaction[bytes], s: _Shared, need: int) -> list[tuple[bytes, Entry]]:
         victims: list[tuple[bytes, Entry]] = []
@@ -399,9 +527,81 @@ class CacheIndex:
             return None
         txn.delete(k, db=s.entries)
         txn.delete(_lru_key(entry.last_access_ns, k), db=s.lru)
+        self._unqueue(txn, s, k, entry)
         used, count = self._counters(txn, s)
         self._set_counters(txn, s, max(0, used - entry.size), max(0, count - 1))
         return entry
+
+    # -- the upload journal ------------------------------------------------------------------------------
+
+    @_translate
+    def claim_uploads(self, limit: int, now_ns: int, lease_ns: int) -> list[tuple[str, Entry]]:
+        """Up to `limit` queued chunks, oldest first, that nobody holds (not-before time passed), each now
+        held by the caller until `now_ns + lease_ns`. One write transaction, so two processes never claim
+        the same chunk while a lease lasts."""
+        s = self._db()
+        claimed: list[tuple[str, Entry]] = []
+        until = _U64.pack(now_ns + lease_ns)
+        with s.env.begin(write=True) as txn:
+            cursor = txn.cursor(db=s.uploads)
+            stale: list[bytes] = []
+            for record, value in cursor:
+                if len(claimed) >= limit:
+                    break
+                if _U64.unpack(value)[0] > now_ns:
+                    continue
+                k = record[8:]
+                raw = txn.get(k, db=s.entries)
+                entry = None if raw is None else Entry.unpack(raw)
+                if entry is None or _TS.pack(entry.queued_ns) != record[:8]:
+                    stale.append(record)  # self-healing: a record whose entry left or changed
+                    continue
+                txn.put(record, until, db=s.uploads)
+                claimed.append((k.decode(), entry))
+            for record in stale:
+                txn.delete(record, db=s.uploads)
+        return claimed
+
+    @_translate
+    def finish_uploads(
+        self, done: Iterable[str], retry: Iterable[str] = (), retry_at_ns: int = 0
+    ) -> list[str]:
+        """Record finished uploads (the chunk is in the object store now) and failed ones (claimable again
+        from `retry_at_ns` on), in one write transaction. Returns the failed ones that left the cache
+        meanwhile: nothing holds them any more, they will never be uploaded."""
+        s = self._db()
+        gone: list[str] = []
+        again = _U64.pack(retry_at_ns)
+        with s.env.begin(write=True) as txn:
+            for key in done:
+                k = key.encode()
+                raw = txn.get(k, db=s.entries)
+                if raw is None:
+                    continue
+                entry = Entry.unpack(raw)
+                if entry.pending_upload:
+                    self._unqueue(txn, s, k, entry)
+                    txn.put(k, replace(entry, queued_ns=0).pack(), db=s.entries)
+            for key in retry:
+                k = key.encode()
+                raw = txn.get(k, db=s.entries)
+                if raw is None:
+                    gone.append(key)
+                elif (entry := Entry.unpack(raw)).pending_upload:
+                    record = _TS.pack(entry.queued_ns) + k
+                    if txn.get(record, db=s.uploads) is not None:
+                        txn.put(record, again, db=s.uploads)
+        return gone
+
+    @_translate
+    def backlog(self) -> Backlog:
+        """What waits for upload: counters, and the age of the oldest record (the first in key order)."""
+        s = self._db()
+        with s.env.begin() as txn:
+            nbytes, count = self._upload_counters(txn, s)
+            cursor = txn.cursor(db=s.uploads)
+            oldest = _TS.unpack(cursor.key()[:8])[0] if cursor.first() else 0
+        return Backlog(chunks=count, bytes=nbytes, oldest_queued_ns=oldest)
 
     @_translate
     def change_pins(self, keys: Iterable[str], delta: int) -> None:
@@ -433,40 +633,57 @@ class CacheIndex:
 
     @_translate
     def rebuild(self) -> tuple[int, int, int, int]:
-        """Recompute counters and the LRU database from ``entries`` (fsck's repair of index drift).
+        """Recompute counters, the LRU database and the upload journal from ``entries`` (fsck's repair of
+        index drift).
 
         Returns (recorded used bytes, actual used bytes, recorded entries, actual entries) as found."""
         s = self._db()
         with s.env.begin(write=True) as txn:
             rec_used, rec_count = self._counters(txn, s)
-            used = count = 0
+            used = count = upload_bytes = uploads = 0
+            not_before = dict(txn.cursor(db=s.uploads))
             txn.drop(s.lru, delete=False)
+            txn.drop(s.uploads, delete=False)
             for k, raw in txn.cursor(db=s.entries):
                 entry = Entry.unpack(raw)
                 used += entry.size
                 count += 1
                 if txn.get(k, db=s.pins) is None:
                     txn.put(_lru_key(entry.last_access_ns, k), b"", db=s.lru)
+                if entry.pending_upload:
+                    record = _TS.pack(entry.queued_ns) + k
+                    txn.put(record, not_before.get(record, _U64.pack(0)), db=s.uploads)
+                    upload_bytes += entry.size
+                    uploads += 1
             self._set_counters(txn, s, used, count)
+            txn.put(_UPLOAD_BYTES_KEY, _U64.pack(upload_bytes), db=s.meta)
+            txn.put(_UPLOAD_COUNT_KEY, _U64.pack(uploads), db=s.meta)
         return rec_used, used, rec_count, count
 
     @_translate
     def audit(self) -> tuple[int, int, int, int, int]:
         """Read-only counterpart of ``rebuild``: (recorded used, actual used, recorded entries, actual
-        entries, LRU records that do not match exactly one evictable entry)."""
+        entries, LRU and upload records that do not match exactly one entry, plus upload counter drift)."""
         s = self._db()
         with s.env.begin() as txn:
             rec_used, rec_count = self._counters(txn, s)
-            used = count = 0
+            rec_upload_bytes, rec_uploads = self._upload_counters(txn, s)
+            used = count = upload_bytes = 0
             expected: set[bytes] = set()
+            queued: set[bytes] = set()
             for k, raw in txn.cursor(db=s.entries):
                 entry = Entry.unpack(raw)
                 used += entry.size
                 count += 1
                 if txn.get(k, db=s.pins) is None:
                     expected.add(_lru_key(entry.last_access_ns, k))
+                if entry.pending_upload:
+                    queued.add(_TS.pack(entry.queued_ns) + k)
+                    upload_bytes += entry.size
             actual = set(txn.cursor(db=s.lru).iternext(values=False))
-        return rec_used, used, rec_count, count, len(expected ^ actual)
+            recorded_queue = set(txn.cursor(db=s.uploads).iternext(values=False))
+        drift = (rec_upload_bytes != upload_bytes) + (rec_uploads != len(queued))
+        return rec_used, used, rec_count, count, len(expected ^ actual) + len(queued ^ recorded_queue) + drift
 
     def _counters(self, txn: lmdb.Transaction[bytes], s: _Shared) -> tuple[int, int]:
         used = txn.get(_USED_KEY, db=s.meta)
@@ -479,3 +696,16 @@ class CacheIndex:
     def _set_counters(self, txn: lmdb.Transaction[bytes], s: _Shared, used: int, count: int) -> None:
         txn.put(_USED_KEY, _U64.pack(used), db=s.meta)
         txn.put(_COUNT_KEY, _U64.pack(count), db=s.meta)
+
+    def _upload_counters(self, txn: lmdb.Transaction[bytes], s: _Shared) -> tuple[int, int]:
+        nbytes = txn.get(_UPLOAD_BYTES_KEY, db=s.meta)
+        count = txn.get(_UPLOAD_COUNT_KEY, db=s.meta)
+        return (
+            0 if nbytes is None else _U64.unpack(nbytes)[0],
+            0 if count is None else _U64.unpack(count)[0],
+        )
+
+    def _add_upload_counters(self, txn: lmdb.Transaction[bytes], s: _Shared, nbytes: int, count: int) -> None:
+        have_bytes, have_count = self._upload_counters(txn, s)
+        txn.put(_UPLOAD_BYTES_KEY, _U64.pack(max(0, have_bytes + nbytes)), db=s.meta)
+        txn.put(_UPLOAD_COUNT_KEY, _U64.pack(max(0, have_count + count)), db=s.meta)

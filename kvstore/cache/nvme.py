@@ -1,50 +1,79 @@
-"""NVMeCache: the node-local read-through cache of chunk blobs (byte budget, LRU eviction, pins).
+"""NVMeCache: the node-local read-through cache of chunks (byte budget, LRU eviction, pins, upload journal).
 
 It combines ``ChunkFiles`` (bytes on disk) with ``CacheIndex`` (the LMDB index, the single source of truth).
 Several processes may open the same directory at once. Ordering rules that keep it crash- and race-safe:
 
 * admit: write a tmp file, rename it to a name unique to this admission, then ONE index transaction inserts
-  the entry and evicts victims; victims' files are unlinked only after that commit. A crash before the commit
-  leaves an orphan file (fsck removes it), never an index entry pointing at a partial or foreign file.
+  the entries and evicts victims; victims' files are unlinked only after that commit. A crash before the
+  commit leaves an orphan file (``reclaim_tmp`` at the next open, or fsck, removes it), never an index entry
+  pointing at a partial or foreign file. Writing files and committing them are separate calls
+  (``write_file``, ``commit``) so a caller can write many files in parallel and commit them once.
 * remove (discard, stale entry, fsck): index first, file second, for the same reason.
 * a reader that finds a file gone lost a race with another process's eviction: it is a miss, and the stale
-  entry (if it still names that very file) is dropped.
+  entry (if it still names that very file) is dropped by ``forget``.
 
-Blobs are opaque here; their own checksums are verified by whoever decodes them (and by ``fsck``). The index
-stores xxh3-128 of the whole blob, computed by ``put``, so fsck can tell corruption even of the header.
+Reads verify against the index alone: an entry holds the chunk's content checksum (over its key and raw
+bytes), codec and raw length, so an uncompressed chunk is read with O_DIRECT straight into the caller's
+buffer, no header read, and hashed in place. A file swapped for another key's, truncated or flipped fails
+that check. ``read_into`` reports what it found and changes nothing; the caller decides (the engine discards
+corrupt copies and counts them).
+
+The upload journal: a chunk admitted with ``pending_upload`` is recorded as not yet in the object store.
+Uploaders ``claim_uploads`` (a lease, so the node's processes share the work), read the file
+(``read_stored``) and ``finish_uploads``. A pending chunk evicted or discarded first is counted by reason
+(``take_lost_uploads``).
 
 Threading: all methods may be called from several threads. ``touch`` and reads only buffer LRU updates in
-memory; the buffer is applied in one write transaction by the next ``put``, by ``flush``, when it grows past
+memory; the buffer is applied in one write transaction by the next commit, by ``flush``, when it grows past
 ``touch_buffer_max`` keys or is older than ``touch_flush_interval_s`` at the next read, and on ``close``.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from enum import Enum
 from types import TracebackType
 
 from kvstore.cache.files import ChunkFiles, new_token
 from kvstore.cache.fsck import FsckReport, check
-from kvstore.cache.index import DEFAULT_MAP_SIZE, CacheIndex, Entry, encode_key
-from kvstore.chunk import checksum
-from kvstore.errors import CacheError, ConfigError
+from kvstore.cache.index import DEFAULT_MAP_SIZE, Backlog, CacheIndex, Entry, encode_key
+from kvstore.chunk import (
+    HEADER_BLOCK,
+    Buffer,
+    ChunkHeader,
+    Codec,
+    EncodedChunk,
+    content_checksum,
+    decode,
+    decode_into,
+    encode,
+    flat,
+    parse_header,
+    stored_size,
+)
+from kvstore.errors import CacheError, ChunkCorrupt, ChunkError, ChunkUnreadable, ConfigError
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class CachedChunk:
-    """Where a cached chunk lies, for callers that ``open()`` + ``readinto`` themselves. The file can still
-    vanish before it is opened (another process evicted it): treat FileNotFoundError as a miss."""
+    """Where a cached chunk lies and what its index entry vouches for. The file can still vanish before
+    it is read (another process evicted it): ``read_into`` then answers GONE."""
 
     key: str
     path: str
     size: int
+    checksum: bytes
+    codec: int
+    raw_length: int
+    pending_upload: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,14 +84,44 @@ class CacheUsage:
     pinned_entries: int
 
 
+class ReadStatus(Enum):
+    OK = "ok"
+    GONE = "gone"  # the file vanished: another process evicted it, or it was lost
+    CORRUPT = "corrupt"  # proven damage (checksum, truncation, key): the copy should be discarded
+    UNREADABLE = "unreadable"  # not for this reader (another buffer size, unknown codec): left alone
+    FAILED = "failed"  # an I/O error; nothing is known about the copy
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    status: ReadStatus
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is ReadStatus.OK
+
+
+_OK = ReadResult(ReadStatus.OK)
+
+
+@dataclass(frozen=True)
+class StagedFile:
+    """A chunk file written by ``write_file`` and not committed yet: nobody's until ``commit``."""
+
+    key: str
+    entry: Entry
+    path: str
+
+
 class NVMeCache:
-    """A byte-budgeted cache of chunk blobs in ``directory``, shared by every process on the node.
+    """A byte-budgeted cache of chunks in ``directory``, shared by every process on the node.
 
     ``budget_bytes`` applies to the admissions this instance makes; give every process the same value.
     ``fsync`` makes each file durable before its index entry is committed (off by default: a file torn by a
     power loss fails its checksum on read and becomes a miss). ``index_sync`` is LMDB's own commit fsync.
-    ``on_evict`` is called (outside any lock, after the commit) with the keys each operation removed: the
-    same keys ``take_evicted`` returns.
+    ``direct_io`` uses O_DIRECT where the filesystem allows it. ``on_evict`` is called (outside any lock,
+    after the commit) with the keys each operation removed: the same keys ``take_evicted`` returns.
     """
 
     def __init__(
@@ -72,6 +131,7 @@ class NVMeCache:
         *,
         fsync: bool = False,
         index_sync: bool = True,
+        direct_io: bool = True,
         map_size: int = DEFAULT_MAP_SIZE,
         max_readers: int = 512,
         touch_flush_interval_s: float = 1.0,
@@ -82,104 +142,223 @@ class NVMeCache:
             raise ConfigError(f"cache_bytes must be a positive number of bytes, got {budget_bytes!r}")
         self.directory = os.fspath(directory)
         self.budget_bytes = budget_bytes
-        self._files = ChunkFiles(directory, fsync=fsync)
+        self._files = ChunkFiles(directory, fsync=fsync, direct_io=direct_io)
         self._index = CacheIndex(directory, map_size=map_size, max_readers=max_readers, sync=index_sync)
         self._on_evict = on_evict
         self._touch_interval_ns = int(touch_flush_interval_s * 1e9)
         self._touch_max = touch_buffer_max
-        self._lock = threading.Lock()  # guards the two buffers below, never held across I/O
+        self._lock = threading.Lock()  # guards the buffers below, never held across I/O
         self._touches: dict[str, int] = {}
         self._touches_since = time.monotonic_ns()
         self._evicted: list[str] = []
+        self._lost_uploads: collections.Counter[str] = collections.Counter()
         self._closed = False
+        reclaimed = self._files.reclaim_tmp()
+        if reclaimed.files:
+            log.info(
+                "removed %d unfinished chunk files (%d bytes) left by writers that are gone",
+                reclaimed.files,
+                reclaimed.bytes,
+            )
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether chunk files bypass the page cache (O_DIRECT) here."""
+        return self._files.direct_io
 
     # -- admission ---------------------------------------------------------------------------------------
 
-    def put(self, key: str, blob: bytes | memoryview) -> bool:
-        """Admit ``blob`` under ``key``. False when the key is already cached, the blob exceeds the budget,
-        or the space cannot be freed because the rest is pinned. Raises CacheError on I/O failure."""
-        return self.put_many([(key, blob)])[0]
-
-    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> list[bool]:
-        """`put` for several blobs: their files first, then ONE index transaction for all of them (a store
-        job's chunks cost one commit, not one each). Per item, whether it was admitted."""
-        for key, _ in items:
-            encode_key(key)
-        present = self._index.get_many([key for key, _ in items])
-        written: list[tuple[int, str, Entry]] = []  # (item index, key, entry) of files now on disk
+    def write_file(self, header: ChunkHeader, parts: Sequence[Buffer]) -> StagedFile:
+        """Write one chunk's file (``parts`` concatenated are the whole chunk: header block, payload,
+        padding), not yet indexed. Thread-safe; raises CacheError on I/O failure."""
+        if header.total_length > self.budget_bytes:
+            raise CacheError(f"chunk {header.key} ({header.total_length} bytes) exceeds the cache budget")
+        entry = Entry(
+            size=header.total_length,
+            checksum=header.checksum,
+            last_access_ns=time.time_ns(),
+            token=new_token(),
+            codec=int(header.codec),
+            raw_length=header.raw_length,
+        )
         try:
-            for i, ((key, blob), known) in enumerate(zip(items, present, strict=True)):
-                size = memoryview(blob).nbytes
-                if size > self.budget_bytes or known is not None:
-                    continue  # cheap early exits before any bytes are written
-                entry = Entry(
-                    size=size,
-                    checksum=checksum(blob, release_gil=True),
-                    last_access_ns=time.time_ns(),
-                    token=new_token(),
-                )
-                self._files.write(key, entry.token, blob)
-                written.append((i, key, entry))
-            admissions = self._index.admit_many(
-                [(key, entry) for _, key, entry in written], self.budget_bytes, self._take_touches()
-            )
-        except BaseException as exc:
-            for _, key, entry in written:
-                self._files.unlink(key, entry.token)
-            if isinstance(exc, OSError):
-                raise CacheError(f"cannot write chunk file in {self.directory!r}: {exc}") from exc
+            path = self._files.write(header.key, entry.token, parts)
+        except OSError as exc:
+            raise CacheError(f"cannot write chunk file in {self.directory!r}: {exc}") from exc
+        return StagedFile(header.key, entry, path)
+
+    def commit(self, staged: Sequence[StagedFile], *, pending_upload: bool = False) -> list[bool]:
+        """Index written files in ONE transaction (a store job's chunks cost one commit, not one each);
+        per file, whether it was admitted. A file not admitted (the key is already cached, or no room
+        because the rest is pinned) is removed. With ``pending_upload`` the chunks join the upload journal.
+        """
+        for item in staged:
+            encode_key(item.key)
+        queued = time.time_ns() if pending_upload else 0
+        items = [(s.key, _queued(s.entry, queued)) for s in staged]
+        try:
+            admissions = self._index.admit_many(items, self.budget_bytes, self._take_touches())
+        except BaseException:
+            self.abandon(staged)
             raise
-        admitted = [False] * len(items)
+        admitted = [False] * len(staged)
         removed: list[str] = []
-        for (i, key, entry), admission in zip(written, admissions, strict=True):
+        lost = 0
+        for i, (item, admission) in enumerate(zip(staged, admissions, strict=True)):
             if admission.admitted:
                 admitted[i] = True
             else:
                 # Lost a race with another process admitting the same key, or no room: our file is nobody's.
-                self._files.unlink(key, entry.token)
+                self._files.unlink_path(item.path)
             for vkey, ventry in admission.victims:
                 self._files.unlink(vkey, ventry.token)
                 removed.append(vkey)
-        self._record_removed(removed)
+                # One an uploader holds may still make it; the uploader counts it if it does not.
+                lost += ventry.pending_upload and vkey not in admission.uploading
+        self._record_removed(removed, lost_uploads={"evicted": lost})
         return admitted
 
-    # -- lookups -----------------------------------------------------------------------------------------
+    def abandon(self, staged: Iterable[StagedFile]) -> None:
+        """Remove written files that will not be committed."""
+        for item in staged:
+            self._files.unlink_path(item.path)
+
+    def put(self, key: str, raw: Buffer, *, pending_upload: bool = False) -> bool:
+        """Admit ``raw`` as ``key``'s chunk (uncompressed). False when the key is already cached, the chunk
+        exceeds the budget, or the space cannot be freed because the rest is pinned."""
+        return self.put_many([(key, raw)], pending_upload=pending_upload)[0]
+
+    def put_many(self, items: Sequence[tuple[str, Buffer]], *, pending_upload: bool = False) -> list[bool]:
+        """`put` for several chunks, one index commit; per item, whether it was admitted."""
+        for key, _ in items:
+            encode_key(key)
+        return self.put_chunks([encode(key, raw) for key, raw in items], pending_upload=pending_upload)
+
+    def put_chunks(self, chunks: Sequence[EncodedChunk], *, pending_upload: bool = False) -> list[bool]:
+        """Write and admit encoded chunks, one index commit. A chunk larger than the whole budget is not
+        admitted (and never written)."""
+        staged: list[StagedFile] = []
+        fits = [c.total_length <= self.budget_bytes for c in chunks]
+        try:
+            for chunk, fit in zip(chunks, fits, strict=True):
+                if fit:
+                    staged.append(self.write_file(chunk.header, chunk.parts()))
+        except BaseException:
+            self.abandon(staged)
+            raise
+        admitted = iter(self.commit(staged, pending_upload=pending_upload))
+        return [next(admitted) if fit else False for fit in fits]
+
+    def put_blob(self, key: str, blob: Buffer, *, pending_upload: bool = False) -> bool:
+        """Admit a whole chunk as it came from the object store (``key``'s chunk, already verified)."""
+        header = parse_header(blob, key)
+        if len(flat(blob)) != header.total_length:
+            raise CacheError(f"chunk {key}: {len(flat(blob))} bytes, its header says {header.total_length}")
+        return self.commit([self.write_file(header, [blob])], pending_upload=pending_upload)[0]
+
+    # -- reads -------------------------------------------------------------------------------------------
+
+    def read_into(self, located: CachedChunk, dest: memoryview) -> ReadResult:
+        """Read and verify the chunk into ``dest`` (exactly its raw length). Changes nothing: on CORRUPT
+        the caller discards, on GONE it ``forget``s. ``dest`` holds garbage unless the result is OK."""
+        out = flat(dest)
+        if len(out) != located.raw_length:
+            return ReadResult(
+                ReadStatus.UNREADABLE, f"chunk holds {located.raw_length} bytes, buffer {len(out)}"
+            )
+        try:
+            if located.codec == Codec.NONE:
+                if located.size != stored_size(located.raw_length):
+                    return ReadResult(ReadStatus.CORRUPT, "index entry size differs from its raw length")
+                got = self._files.read_into(located.path, HEADER_BLOCK, out)
+                if got != len(out):
+                    return ReadResult(ReadStatus.CORRUPT, f"truncated file: {got} of {len(out)} bytes")
+                if content_checksum(located.key, out) != located.checksum:
+                    return ReadResult(ReadStatus.CORRUPT, "checksum mismatch")
+                return _OK
+            blob = self._files.read_whole(located.path, located.size)
+            if len(blob) != located.size:
+                return ReadResult(ReadStatus.CORRUPT, f"truncated file: {len(blob)} of {located.size} bytes")
+            header = decode_into(located.key, blob, out)
+            if header.checksum != located.checksum:
+                return ReadResult(ReadStatus.CORRUPT, "file differs from its index entry")
+            return _OK
+        except FileNotFoundError:
+            return ReadResult(ReadStatus.GONE)
+        except ChunkCorrupt as exc:
+            return ReadResult(ReadStatus.CORRUPT, str(exc))
+        except ChunkUnreadable as exc:
+            return ReadResult(ReadStatus.UNREADABLE, str(exc))
+        except OSError as exc:
+            return ReadResult(ReadStatus.FAILED, str(exc))
+
+    def read_stored(self, located: CachedChunk) -> memoryview:
+        """The whole chunk file as stored (what an upload PUTs), in this thread's staging buffer: valid
+        until this thread's next read. FileNotFoundError if it is gone, CacheError if it is torn."""
+        try:
+            blob = self._files.read_whole(located.path, located.size)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise CacheError(f"cannot read {located.path}: {exc}") from exc
+        if len(blob) != located.size:
+            raise CacheError(f"{located.path} is {len(blob)} bytes, its index entry says {located.size}")
+        return blob
 
     def get(self, key: str) -> bytes | None:
-        """The blob, or None on a miss. Counts as a touch."""
-        entry = self._index.get(key)
-        if entry is None:
+        """The chunk's raw bytes, verified, or None on a miss. A corrupt copy is discarded (reported by
+        ``take_evicted``). Counts as a touch. For tools; the data path uses ``read_into``."""
+        located = self.locate(key)
+        if located is None:
             return None
-        data = self._files.read(key, entry.token)
-        if data is None or len(data) != entry.size:
-            self._drop_stale(key, entry)
+        try:
+            blob = self.read_stored(located)
+            header = parse_header(blob, key)
+            raw = decode(key, blob)
+            if header.checksum == located.checksum:
+                return raw
+            reason = "file differs from its index entry"
+        except FileNotFoundError:
+            self.forget(key, located.path)
             return None
-        self._touch_one(key)
-        return data
+        except (CacheError, ChunkCorrupt) as exc:
+            reason = str(exc)
+        except ChunkError:
+            return None  # not ours to judge
+        log.warning("discarding corrupt NVMe chunk %s: %s", key, reason)
+        if self.discard(key):
+            self._record_removed([key])
+        return None
 
     def locate(self, key: str, *, touch: bool = True) -> CachedChunk | None:
-        """Where the blob lies, or None on a miss. Counts as a touch unless `touch=False` (a caller on a
+        """Where the chunk lies, or None on a miss. Counts as a touch unless `touch=False` (a caller on a
         latency-critical path records touches itself, so a due flush never lands in the middle of a load).
-
-        No stat here: this is the load hot path, and the reader must handle a file that vanishes after
-        this call anyway (another process may evict it). Readers report such a file with `forget`.
         """
         entry = self._index.get(key)
         if entry is None:
             return None
         if touch:
             self._touch_one(key)
-        return CachedChunk(key=key, path=self._files.path_str(key, entry.token), size=entry.size)
+        return self._located(key, entry)
 
     def locate_many(self, keys: Sequence[str]) -> list[CachedChunk | None]:
         """`locate` for many keys from one index snapshot (no touches: the caller records its own)."""
         entries = self._index.get_many(_key_list(keys))
         return [
-            None
-            if entry is None
-            else CachedChunk(key=key, path=self._files.path_str(key, entry.token), size=entry.size)
+            None if entry is None else self._located(key, entry)
             for key, entry in zip(keys, entries, strict=True)
         ]
+
+    def _located(self, key: str, entry: Entry) -> CachedChunk:
+        return CachedChunk(
+            key=key,
+            path=self._files.path_str(key, entry.token),
+            size=entry.size,
+            checksum=entry.checksum,
+            codec=entry.codec,
+            raw_length=entry.raw_length,
+            pending_upload=entry.pending_upload,
+        )
 
     def forget(self, key: str, path: str) -> None:
         """Drop `key`'s entry if it still names the file at `path`, which a reader found missing or torn."""
@@ -205,6 +384,30 @@ class NVMeCache:
             used_bytes=used, budget_bytes=self.budget_bytes, entries=entries, pinned_entries=pinned
         )
 
+    # -- the upload journal ------------------------------------------------------------------------------
+
+    def claim_uploads(self, limit: int, *, lease_s: float = 60.0) -> list[CachedChunk]:
+        """Up to ``limit`` chunks waiting for upload, oldest first, held by this caller for ``lease_s``."""
+        claimed = self._index.claim_uploads(limit, time.time_ns(), int(lease_s * 1e9))
+        return [self._located(key, entry) for key, entry in claimed]
+
+    def finish_uploads(
+        self, done: Iterable[str], failed: Iterable[str] = (), retry_in_s: float = 0.0
+    ) -> list[str]:
+        """Mark chunks uploaded, and make failed ones claimable again after ``retry_in_s``; returns the failed
+        ones that were evicted meanwhile (never to be uploaded: count them lost)."""
+        return self._index.finish_uploads(done, failed, time.time_ns() + int(retry_in_s * 1e9))
+
+    def backlog(self) -> Backlog:
+        """Chunks, bytes and the oldest queue time of what waits for upload (every process's)."""
+        return self._index.backlog()
+
+    def take_lost_uploads(self) -> dict[str, int]:
+        """Chunks this process removed before they were uploaded, by reason, since the last call."""
+        with self._lock:
+            lost, self._lost_uploads = dict(self._lost_uploads), collections.Counter()
+        return {reason: n for reason, n in lost.items() if n}
+
     # -- LRU, removal, pins ------------------------------------------------------------------------------
 
     def touch(self, keys: Iterable[str]) -> None:
@@ -228,6 +431,9 @@ class NVMeCache:
         if entry is None:
             return False
         self._files.unlink(key, entry.token)
+        if entry.pending_upload:
+            with self._lock:
+                self._lost_uploads["discarded"] += 1
         return True
 
     def pin(self, keys: Iterable[str]) -> None:
@@ -264,7 +470,7 @@ class NVMeCache:
             verify_checksums=verify_checksums,
             orphan_min_age_s=orphan_min_age_s,
         )
-        self._record_removed(removed)
+        self._record_removed(removed, lost_uploads={"fsck": report.lost_uploads})
         return report
 
     def close(self) -> None:
@@ -290,7 +496,7 @@ class NVMeCache:
         # Token-guarded: if another process re-admitted the key meanwhile, its new entry survives.
         if self._index.remove(key, entry.token) is not None:
             self._files.unlink(key, entry.token)  # a torn file (size mismatch) is still there
-            self._record_removed([key])
+            self._record_removed([key], lost_uploads={"lost": int(entry.pending_upload)})
 
     def _touch_one(self, key: str) -> None:
         now = time.time_ns()
@@ -312,10 +518,12 @@ class NVMeCache:
             self._touches_since = time.monotonic_ns()
         return touches
 
-    def _record_removed(self, keys: list[str]) -> None:
-        if not keys:
-            return
+    def _record_removed(self, keys: list[str], *, lost_uploads: dict[str, int] | None = None) -> None:
         with self._lock:
+            for reason, n in (lost_uploads or {}).items():
+                self._lost_uploads[reason] += n
+            if not keys:
+                return
             self._evicted.extend(keys)
         if self._on_evict is not None:
             try:
@@ -323,6 +531,10 @@ class NVMeCache:
             except Exception:
                 # The removal is committed; a failing observer must not turn it into an error for the caller.
                 log.exception("on_evict callback failed for %d keys", len(keys))
+
+
+def _queued(entry: Entry, queued_ns: int) -> Entry:
+    return replace(entry, queued_ns=queued_ns) if queued_ns else entry
 
 
 def _key_list(keys: Iterable[str]) -> list[str]:

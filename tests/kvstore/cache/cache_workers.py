@@ -12,7 +12,6 @@ import hashlib
 import random
 import sys
 
-from kvstore import chunk
 from kvstore.cache import NVMeCache
 
 
@@ -22,11 +21,11 @@ def key_for(i: int) -> str:
 
 
 def blob_for(key: str) -> bytes:
-    """A valid chunk whose raw bytes and length (64..4159) depend only on the key."""
+    """Raw chunk bytes whose content and length (64..8255: one to three 4 KiB blocks) depend only on the
+    key."""
     seed = hashlib.blake2b(key.encode(), digest_size=32).digest()
-    length = 64 + int.from_bytes(seed[:2], "little") % 4096
-    raw = (seed * (length // len(seed) + 1))[:length]
-    return chunk.encode(raw)
+    length = 64 + int.from_bytes(seed[:2], "little") % 8192
+    return (seed * (length // len(seed) + 1))[:length]
 
 
 def mixed_workload(directory: str, seed: int, rounds: int, budget: int, n_keys: int) -> int:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.cache import NVMeCache
+from kvstore.chunk import stored_size
 
 # The helpers in cache_workers.py also run in spawned and subprocess children, which import them by module
 # name; put this folder on sys.path (children inherit it) whatever pytest's import mode is.
@@ -22,5 +23,5 @@ def cache_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def cache(cache_dir: Path) -> Iterator[NVMeCache]:
-    with NVMeCache(cache_dir, 10_000) as c:
+    with NVMeCache(cache_dir, 10 * stored_size(100)) as c:
         yield c

@@ -17,20 +17,23 @@ from cache_workers import blob_for, key_for, mixed_workload
 from kvstore.cache import NVMeCache
 
 WORKER = Path(__file__).with_name("cache_workers.py")
-CRASH_BUDGET = 60_000
+CRASH_BUDGET = 60 * 8192  # about a quarter of the keys' chunks fit: writers evict all the time
 CRASH_KEYS = 300
+SHARED_BUDGET = 30 * 8192
 
 
 def test_two_processes_share_one_cache(cache_dir: Path) -> None:
-    NVMeCache(cache_dir, 40_000).close()  # create it before the race to open
+    NVMeCache(cache_dir, SHARED_BUDGET).close()  # create it before the race to open
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
-        futures = [pool.submit(mixed_workload, str(cache_dir), seed, 1500, 40_000, 60) for seed in (1, 2)]
+        futures = [
+            pool.submit(mixed_workload, str(cache_dir), seed, 1500, SHARED_BUDGET, 60) for seed in (1, 2)
+        ]
         assert [f.result(timeout=120) for f in futures] == [0, 0], "a process read wrong bytes"
-    with NVMeCache(cache_dir, 40_000) as cache:
+    with NVMeCache(cache_dir, SHARED_BUDGET) as cache:
         report = cache.fsck()
         assert report.clean, report
-        assert 0 < cache.usage().used_bytes <= 40_000
+        assert 0 < cache.usage().used_bytes <= SHARED_BUDGET
         for i in range(60):
             data = cache.get(key_for(i))
             assert data is None or data == blob_for(key_for(i))
@@ -67,3 +70,18 @@ def test_sigkilled_writers_never_corrupt_the_cache(cache_dir: Path) -> None:
             assert cache.fsck().clean
     finally:
         cache.close()
+
+
+def test_leftovers_of_killed_writers_are_reclaimed_at_open(cache_dir: Path) -> None:
+    """A writer killed mid-write leaves a tmp file that counts against no budget: the next open removes it,
+    and leaves the tmp files of writers that are still alive."""
+    NVMeCache(cache_dir, CRASH_BUDGET).close()
+    tmp = cache_dir / "tmp"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    dead_pid = int(dead.stdout)
+    (tmp / f"{dead_pid}.{'a' * 32}.{'0' * 16}.tmp").write_bytes(b"x" * 8192)
+    (tmp / f"{dead_pid}.probe-abcd.tmp").write_bytes(b"probe")
+    alive = tmp / f"{os.getppid()}.{'b' * 32}.{'1' * 16}.tmp"
+    alive.write_bytes(b"y" * 8192)
+    with NVMeCache(cache_dir, CRASH_BUDGET):
+        assert sorted(p.name for p in tmp.iterdir()) == [alive.name]

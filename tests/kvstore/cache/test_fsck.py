@@ -2,12 +2,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 from cache_workers import blob_for, key_for
 
-from kvstore.cache import NVMeCache
+from kvstore.cache import NVMeCache, rebuild_index
+from kvstore.chunk import encode_legacy
+from kvstore.errors import CacheError
 
 
 def filled(cache_dir: Path, n: int = 6) -> NVMeCache:
@@ -52,11 +58,25 @@ def test_flipped_byte_is_a_bad_checksum_and_fix_removes_it(cache_dir: Path) -> N
         assert cache.fsck().clean
 
 
-def test_invalid_chunk_with_matching_index_checksum_is_bad(cache_dir: Path) -> None:
-    with NVMeCache(cache_dir, 10**6) as cache:
-        cache.put("not-a-chunk", b"plain bytes, no chunk header")
-        assert cache.fsck().bad_checksums == ("not-a-chunk",)
+def test_another_keys_chunk_or_a_version_1_chunk_is_bad(cache_dir: Path) -> None:
+    with filled(cache_dir) as cache:
+        swapped, legacy = key_for(1), key_for(3)
+        shutil.copyfile(path_of(cache, key_for(0)), path_of(cache, swapped))  # a valid chunk, wrong name
+        path_of(cache, legacy).write_bytes(encode_legacy(blob_for(legacy)))
+        assert sorted(cache.fsck().bad_checksums) == sorted([swapped, legacy])
         assert cache.fsck(verify_checksums=False).clean
+        report = cache.fsck(fix=True)
+        assert not cache.contains(swapped) and cache.get(key_for(0)) == blob_for(key_for(0))
+        assert report.lost_uploads == 0
+
+
+def test_fix_counts_removed_chunks_that_were_never_uploaded(cache_dir: Path) -> None:
+    with NVMeCache(cache_dir, 10**6) as cache:
+        assert cache.put(key_for(0), blob_for(key_for(0)), pending_upload=True)
+        os.unlink(path_of(cache, key_for(0)))
+        assert cache.fsck(fix=True).lost_uploads == 1
+        assert cache.take_lost_uploads() == {"fsck": 1}
+        assert cache.backlog().chunks == 0 and cache.fsck().clean
 
 
 def test_orphans_missing_and_drift(cache_dir: Path) -> None:
@@ -100,3 +120,38 @@ def test_lru_drift_is_repaired(cache_dir: Path) -> None:
         assert cache.fsck().lru_mismatches == 6
         cache.fsck(fix=True)
         assert cache.fsck().clean
+
+
+@pytest.mark.parametrize("damage", ["truncate", "zero the meta pages"])
+def test_a_damaged_index_is_refused_at_open_and_rebuilt_from_the_chunk_files(
+    cache_dir: Path, damage: str
+) -> None:
+    with filled(cache_dir, 40) as cache:
+        cache.pin([key_for(0)])
+        cache.put(key_for(99), blob_for(key_for(99)), pending_upload=True)
+    data = cache_dir / "index" / "data.mdb"
+    if damage == "truncate":
+        os.truncate(data, 8192)
+    else:
+        with open(data, "r+b") as f:
+            f.write(bytes(8192))
+    # In a child: before the check, opening such an index died of SIGBUS on its first read.
+    probe = subprocess.run(
+        [sys.executable, "-c", f"from kvstore.cache import NVMeCache; NVMeCache({str(cache_dir)!r}, 10**6)"],
+        capture_output=True,
+        text=True,
+    )
+    assert probe.returncode == 1, probe
+    assert "damaged" in probe.stderr and "fsck --fix" in probe.stderr
+    with pytest.raises(CacheError, match="damaged"):
+        NVMeCache(cache_dir, 10**6)
+
+    report = rebuild_index(cache_dir)
+    assert report.entries == 41 and report.skipped_files == 0
+    assert Path(report.kept_aside).is_dir()
+    with NVMeCache(cache_dir, 10**6) as cache:
+        assert cache.fsck().clean
+        for i in [*range(40), 99]:
+            assert cache.get(key_for(i)) == blob_for(key_for(i))
+        # Whether a chunk had been uploaded was in the lost index: every one is queued again.
+        assert cache.backlog().chunks == 41

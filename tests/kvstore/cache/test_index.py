@@ -8,7 +8,7 @@ import lmdb
 import pytest
 
 from kvstore.cache import SCHEMA_VERSION, NVMeCache
-from kvstore.cache.index import MAX_KEY_BYTES, CacheIndex, Entry, encode_key
+from kvstore.cache.index import MAX_KEY_BYTES, Backlog, CacheIndex, Entry, encode_key
 from kvstore.errors import CacheError
 
 
@@ -19,7 +19,7 @@ def entry(size: int, ts: int) -> Entry:
 def test_entry_is_compact_and_roundtrips() -> None:
     e = entry(123, 456)
     raw = e.pack()
-    assert len(raw) == 41
+    assert len(raw) == 58
     assert Entry.unpack(raw) == e
 
 
@@ -44,7 +44,7 @@ def test_newer_schema_is_refused(tmp_path: Path) -> None:
         meta = env.open_db(b"meta")
         with env.begin(write=True) as txn:
             txn.put(b"schema_version", struct.pack("<Q", SCHEMA_VERSION + 1), db=meta)
-    with pytest.raises(CacheError, match="schema version 2, newer"):
+    with pytest.raises(CacheError, match=f"schema version {SCHEMA_VERSION + 1}, newer"):
         NVMeCache(tmp_path, 1000)
     # The refused environment was not left in the registry: fixing the schema makes it usable again.
     with lmdb.open(str(tmp_path / "index"), max_dbs=8) as env:
@@ -52,6 +52,69 @@ def test_newer_schema_is_refused(tmp_path: Path) -> None:
         with env.begin(write=True) as txn:
             txn.put(b"schema_version", struct.pack("<Q", SCHEMA_VERSION), db=meta)
     NVMeCache(tmp_path, 1000).close()
+
+
+def test_older_schema_is_refused_until_migrated(tmp_path: Path) -> None:
+    CacheIndex(tmp_path).close()
+    with lmdb.open(str(tmp_path / "index"), max_dbs=8) as env:
+        meta = env.open_db(b"meta")
+        with env.begin(write=True) as txn:
+            txn.put(b"schema_version", struct.pack("<Q", SCHEMA_VERSION - 1), db=meta)
+    with pytest.raises(CacheError, match="kvstore migrate"):
+        NVMeCache(tmp_path, 1000)
+
+
+def queued(size: int, ts: int, at: int) -> Entry:
+    return Entry(size=size, checksum=bytes(16), last_access_ns=ts, token=os.urandom(8), queued_ns=at)
+
+
+def test_upload_journal_claims_leases_retries_and_finishes(tmp_path: Path) -> None:
+    index = CacheIndex(tmp_path)
+    try:
+        index.admit_many([("b", queued(10, 1, 200)), ("a", queued(20, 2, 100)), ("c", entry(5, 3))], 100, {})
+        assert index.backlog() == Backlog(chunks=2, bytes=30, oldest_queued_ns=100)
+        # Oldest first, and a claim holds: a second claimer (another process) gets nothing until it expires.
+        assert [k for k, _ in index.claim_uploads(10, now_ns=1000, lease_ns=500)] == ["a", "b"]
+        assert index.claim_uploads(10, now_ns=1400, lease_ns=500) == []
+        assert [k for k, _ in index.claim_uploads(1, now_ns=1600, lease_ns=500)] == ["a"]
+        # "a" uploaded; "b" failed and waits until its retry time.
+        index.finish_uploads(["a"], ["b"], retry_at_ns=5000)
+        assert index.backlog() == Backlog(chunks=1, bytes=10, oldest_queued_ns=200)
+        assert index.get("a") is not None and not index.get("a").pending_upload  # type: ignore[union-attr]
+        assert index.claim_uploads(10, now_ns=4999, lease_ns=1) == []
+        assert [k for k, _ in index.claim_uploads(10, now_ns=5000, lease_ns=1)] == ["b"]
+        assert index.audit()[4] == 0
+    finally:
+        index.close()
+
+
+def test_evicting_or_removing_a_queued_chunk_leaves_the_journal(tmp_path: Path) -> None:
+    index = CacheIndex(tmp_path)
+    try:
+        index.admit_many([("a", queued(10, 1, 100)), ("b", queued(10, 2, 200))], 20, {})
+        result = index.admit("c", entry(10, 3), 20, {})
+        assert [(k, v.pending_upload) for k, v in result.victims] == [("a", True)]
+        index.remove("b")
+        assert index.backlog() == Backlog(chunks=0, bytes=0, oldest_queued_ns=0)
+        assert index.claim_uploads(10, now_ns=10**18, lease_ns=1) == []
+        assert index.audit()[4] == 0
+    finally:
+        index.close()
+
+
+def test_rebuild_restores_the_journal(tmp_path: Path) -> None:
+    index = CacheIndex(tmp_path)
+    try:
+        index.admit_many([("a", queued(10, 1, 100)), ("b", entry(10, 2))], 100, {})
+        s = index._db()
+        with s.env.begin(write=True) as txn:
+            txn.drop(s.uploads, delete=False)
+        assert index.audit()[4] > 0
+        index.rebuild()
+        assert index.audit()[4] == 0
+        assert [k for k, _ in index.claim_uploads(10, now_ns=10**18, lease_ns=1)] == ["a"]
+    finally:
+        index.close()
 
 
 def test_admit_evicts_oldest_and_skips_pinned(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """The NVMe cache against a dict model, with random sizes and a small budget.
 
 Eviction is the cache's choice, so the model tracks what *may* be cached (the bytes last admitted per key) and
-what *must* be cached (admitted while pinned, or pinned while present); everything else may be a miss.
+what *must* be cached (admitted while pinned, or pinned while present); everything else may be a miss. The
+upload journal must hold exactly the resident chunks admitted as pending and not uploaded since.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvstore.cache import NVMeCache
+from kvstore.chunk import HEADER_BLOCK, stored_size
 
-BUDGET = 1000
+BUDGET = 6 * 4096
 KEYS = st.sampled_from([f"ns/{i:02d}.bin" for i in range(6)])
 
 
@@ -27,6 +29,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.stored: dict[str, bytes] = {}  # what a hit must return
         self.pins: dict[str, int] = {}
         self.must_have: set[str] = set()
+        self.pending: set[str] = set()  # admitted as not yet uploaded
 
     def teardown(self) -> None:
         self.cache.close()
@@ -40,24 +43,43 @@ class CacheMachine(RuleBasedStateMachine):
         for key in self.cache.take_evicted():
             assert key not in self.must_have, f"pinned {key} was removed"
             self.stored.pop(key, None)
+            self.pending.discard(key)
 
-    @rule(key=KEYS, size=st.integers(0, 450), fill=st.binary(min_size=1, max_size=1))
-    def put(self, key: str, size: int, fill: bytes) -> None:
+    @rule(
+        key=KEYS,
+        size=st.integers(0, 3 * 4096),
+        fill=st.binary(min_size=1, max_size=1),
+        pending=st.booleans(),
+    )
+    def put(self, key: str, size: int, fill: bytes, pending: bool) -> None:
         blob = fill * size
         present = self.cache.contains(key)
         resident = list(self.cache.keys())
-        pinned_bytes = sum(len(self.stored[k]) for k in resident if self.pins.get(k, 0))
-        admitted = self.cache.put(key, blob)
-        if present or size > BUDGET:
+        pinned_bytes = sum(stored_size(len(self.stored[k])) for k in resident if self.pins.get(k, 0))
+        admitted = self.cache.put(key, blob, pending_upload=pending)
+        if present or stored_size(size) > BUDGET:
             assert not admitted
         else:
             # Rejected exactly when the pinned bytes leave no room; anything unpinned can be evicted.
-            assert admitted == (pinned_bytes + size <= BUDGET)
+            assert admitted == (pinned_bytes + stored_size(size) <= BUDGET)
         self._forget_evicted()
         if admitted:
             self.stored[key] = blob
+            if pending:
+                self.pending.add(key)
             if self.pins.get(key, 0):
                 self.must_have.add(key)
+
+    @rule(n=st.integers(1, 4), fail=st.booleans())
+    def upload(self, n: int, fail: bool) -> None:
+        claimed = self.cache.claim_uploads(n, lease_s=0.0)
+        assert {c.key for c in claimed} <= self.pending
+        keys = [c.key for c in claimed]
+        if fail:
+            self.cache.finish_uploads([], keys, retry_in_s=0.0)
+        else:
+            self.cache.finish_uploads(keys)
+            self.pending -= set(keys)
 
     @rule(key=KEYS)
     def get(self, key: str) -> None:
@@ -67,6 +89,7 @@ class CacheMachine(RuleBasedStateMachine):
         if data is None:
             self._forget_evicted()
             self.stored.pop(key, None)
+            self.pending.discard(key)
         else:
             assert data == self.stored[key]
 
@@ -75,7 +98,12 @@ class CacheMachine(RuleBasedStateMachine):
         loc = self.cache.locate(key)
         if loc is not None:
             with open(loc.path, "rb") as f:
-                assert f.read() == self.stored[key]
+                data = f.read()
+            size = len(self.stored[key])
+            assert (
+                len(data) == stored_size(size)
+                and data[HEADER_BLOCK : HEADER_BLOCK + size] == self.stored[key]
+            )
 
     @rule(key=KEYS)
     def discard(self, key: str) -> None:
@@ -83,6 +111,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.discard(key)
         self._forget_evicted()
         self.stored.pop(key, None)
+        self.pending.discard(key)
 
     @rule(key=KEYS)
     def pin(self, key: str) -> None:
@@ -112,12 +141,16 @@ class CacheMachine(RuleBasedStateMachine):
         assert usage.used_bytes <= BUDGET
         keys = list(self.cache.keys())
         assert usage.entries == len(keys)
-        assert usage.used_bytes == sum(len(self.stored[k]) for k in keys)
+        assert usage.used_bytes == sum(stored_size(len(self.stored[k])) for k in keys)
         assert set(keys) <= set(self.stored)
         assert self.must_have <= set(keys)
         assert usage.pinned_entries == sum(1 for k in keys if self.pins.get(k, 0))
         for key, count in self.pins.items():
             assert self.cache.pinned(key) == count
+        backlog = self.cache.backlog()
+        queued = self.pending & set(keys)
+        assert backlog.chunks == len(queued)
+        assert backlog.bytes == sum(stored_size(len(self.stored[k])) for k in queued)
 
 
 TestCacheMachine = CacheMachine.TestCase
@@ -143,8 +176,8 @@ def test_final_fsck_after_random_run() -> None:
                     cache.pin([key])
                 elif rng.random() < 0.1:
                     cache.unpin([key])
-                cache.put(key, bytes([len(key)]) * rng.randrange(300))
+                cache.put(key, bytes([len(key)]) * rng.randrange(3 * 4096), pending_upload=rng.random() < 0.5)
             assert cache.usage().used_bytes <= BUDGET
-            assert cache.fsck(verify_checksums=False).clean
+            assert cache.fsck().clean
     finally:
         shutil.rmtree(directory, ignore_errors=True)
