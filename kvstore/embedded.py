@@ -4,7 +4,9 @@ Used by the tests and as the product's default object store when no endpoint is 
 server opens is a free loopback port chosen here (SeaweedFS has fixed defaults that would collide between
 instances); the Admin UI, WebDAV, Iceberg and Lance endpoints are disabled or moved off defaults. The S3 API
 checks credentials: `weed mini` turns `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY` in its environment into an
-admin identity and then refuses anonymous or mis-signed requests.
+admin identity and then refuses anonymous or mis-signed requests. Its other ports (master, volume and filer
+HTTP, every gRPC port) refuse anyone without the server's own keys (`kvstore.embedded_security`), its data
+directory is private to its user, and its environment holds nothing of the caller's.
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ import sys
 import sysconfig
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
 
+from kvstore.embedded_security import weed_environment, write_security_config
 from kvstore.errors import ConfigError, StoreError, StoreUnavailable
 from kvstore.stores.s3 import S3Options, S3Store
 
@@ -56,8 +58,6 @@ _PORT_NAMES = (
     "admin.port",  # the admin server listens even with -admin.ui=false; port 0 would put its gRPC on 10000
     "admin.port.grpc",
 )
-# Variables that `weed mini` reads on its own and that must not leak in from the caller's environment.
-_SCRUBBED_ENV = ("AWS_SESSION_TOKEN", "S3_BUCKET", "S3_TABLE_BUCKET", "S3_EXTERNAL_URL")
 
 
 def find_weed_binary() -> Path:
@@ -184,6 +184,8 @@ class SeaweedServer:
             "master.telemetry": "false",
             "s3.autoCreateBucket": "false",
             "s3.allowDeleteBucketNotEmpty": "false",
+            # No master or filer HTTP API: only S3 (and gRPC, behind mutual TLS) is served.
+            "disableHttp": "true",
             "idleTimeout": "5",
             # The volume server otherwise lingers a second after SIGTERM to drain heartbeats to the master.
             "volume.preStopSeconds": "0",
@@ -209,19 +211,19 @@ class SeaweedServer:
         if self.running or not self.owned:
             return
         began = time.monotonic()
-        (self.data_dir / "weed" / "sock").mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.data_dir, 0o700)  # its volumes hold every object in the clear: no other user reads them
+        (self.data_dir / "weed" / "sock").mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_security_config(self.data_dir)
         if self._ports is None:
             self._ports = _Ports(dict(zip(_PORT_NAMES, _free_ports(len(_PORT_NAMES)), strict=True)))
-        env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
-        env["AWS_ACCESS_KEY_ID"] = self.access_key
-        env["AWS_SECRET_ACCESS_KEY"] = self.secret_key
         self._log = (self.data_dir / "weed.log").open("ab")
         self._process = subprocess.Popen(
             self._command(self._ports),
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=env,
+            env=self._environment(),
             cwd=self.data_dir,
             start_new_session=True,  # its own process group, so stop() reaches every child
             preexec_fn=_die_with_parent,
@@ -234,15 +236,28 @@ class SeaweedServer:
         self.start_seconds = time.monotonic() - began
         threading.Thread(target=self._reclaim, name="kvstore-s3-vacuum", daemon=True).start()
 
+    def _environment(self) -> dict[str, str]:
+        return weed_environment(self.data_dir, self.access_key, self.secret_key)
+
     def _reclaim(self) -> None:
-        """Compact the volumes that earlier runs deleted from (GC, benchmarks), in the background."""
+        """Compact the volumes that earlier runs deleted from (GC, benchmarks), in the background, through
+        `weed shell` over the master's gRPC port (its HTTP API is off; the shell finds the client
+        certificate in `security.toml`, in the working directory)."""
         assert self._ports is not None
-        url = f"http://{_HOST}:{self._ports.by_flag['master.port']}/vol/vacuum?garbageThreshold=0.1"
+        master = f"{_HOST}:{self._ports.by_flag['master.port']}.{self._ports.by_flag['master.port.grpc']}"
         try:
-            with urllib.request.urlopen(url, timeout=600) as answer:
-                answer.read()
-        except OSError as exc:  # the server stopped first, or is busy: the periodic sweep comes later
-            log.debug("vacuum request failed: %s", exc)
+            subprocess.run(
+                [str(self._binary), "-logtostderr", "shell", f"-master={master}"],
+                input=b"lock\nvolume.vacuum -garbageThreshold=0.1\nunlock\n",
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env=self._environment(),
+                cwd=self.data_dir,
+                timeout=600,
+                check=True,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:  # stopped first, or busy: the sweep comes later
+            log.debug("vacuum failed: %s", exc)
 
     def _probe_store(self) -> S3Store:
         return S3Store(
@@ -250,6 +265,7 @@ class SeaweedServer:
             endpoint=self.endpoint,
             access_key=self.access_key,
             secret_key=self.secret_key,
+            session_token="",  # the caller's AWS_SESSION_TOKEN belongs to some other account
             options=S3Options(connect_timeout=0.5, read_timeout=5.0, retries=0),
         )
 
@@ -369,7 +385,13 @@ def ensure_embedded_server(
         server = SeaweedServer(root, access_key=access_key, secret_key=secret_key)
         server.start(timeout)
         try:
-            with S3Store(bucket, endpoint=server.endpoint, access_key=access_key, secret_key=secret_key) as s:
+            with S3Store(
+                bucket,
+                endpoint=server.endpoint,
+                access_key=access_key,
+                secret_key=secret_key,
+                session_token="",
+            ) as s:
                 s.create_bucket()
             assert server.pid is not None
             _write_json(root / _STATE_FILE, {"pid": server.pid, "endpoint": server.endpoint})

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import stat
+import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
-from kvstore.embedded import SeaweedServer, ensure_embedded_server
+from kvstore.embedded import SeaweedServer, ensure_embedded_server, find_weed_binary
 from kvstore.errors import StoreAuthError
 from kvstore.stores import S3Store
 
@@ -133,3 +137,70 @@ def test_space_of_deleted_objects_is_reclaimed_at_the_next_start(tmp_path: Path)
             assert store.get(keys[0]) is None
     finally:
         again.stop()
+
+
+def _http(method: str, url: str, **kwargs: Any) -> int:
+    """The status code, or 0 when the port does not speak HTTP at all."""
+    try:
+        return httpx.request(method, url, timeout=5, **kwargs).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def test_only_the_s3_port_answers_without_the_servers_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any local user can connect to the loopback ports: only S3 with credentials may read or write."""
+    monkeypatch.setenv("KVSTORE_ADMIN_TOKEN", "admin-token-never-in-weed")
+    monkeypatch.setenv("S3_BUCKET", "made-by-the-caller")  # weed would create it on its own
+    monkeypatch.setenv("WEED_JWT_SIGNING_KEY", "a-key-an-attacker-chose")
+    with SeaweedServer(tmp_path / "sw") as server:
+        assert server.pid is not None
+        environ = Path(f"/proc/{server.pid}/environ").read_bytes().split(b"\0")
+        names = {entry.split(b"=", 1)[0].decode() for entry in environ if entry}
+        assert names <= {"PATH", "LANG", "LC_ALL", "TZ", "HOME", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+        assert b"admin-token-never-in-weed" not in b"\0".join(environ)
+        assert stat.S_IMODE((tmp_path / "sw").stat().st_mode) == 0o700
+
+        with S3Store(
+            "door", endpoint=server.endpoint, access_key=server.access_key, secret_key=server.secret_key
+        ) as store:
+            store.create_bucket()
+            store.put("obj", b"the real object")
+            ports = server._ports.by_flag  # type: ignore[union-attr]
+            filer, master, volume = (
+                f"http://127.0.0.1:{ports[n]}" for n in ("filer.port", "master.port", "volume.port")
+            )
+            attempts = [
+                ("GET", f"{filer}/buckets/door/obj", {}),
+                ("GET", f"{filer}/buckets/door/", {}),
+                ("PUT", f"{filer}/buckets/door/planted", {"content": b"evil"}),
+                ("POST", f"{filer}/buckets/door/planted", {"files": {"file": ("x", b"evil")}}),
+                ("GET", f"{master}/dir/assign", {}),
+                ("POST", f"{master}/col/delete?collection=door", {}),
+                ("POST", f"{master}/submit", {"files": {"file": ("x", b"evil")}}),
+                ("POST", f"{volume}/1,01637037d6", {"files": {"file": ("x", b"evil")}}),
+                ("GET", f"{volume}/1,01637037d6", {}),
+            ]
+            answers = {f"{method} {url}": _http(method, url, **kw) for method, url, kw in attempts}
+            assert not {k: v for k, v in answers.items() if 200 <= v < 300}, answers
+            assert store.get("obj") == b"the real object" and store.get("planted") is None
+            assert [b for b in store._client.list_buckets() if b.name == "made-by-the-caller"] == []
+
+            # gRPC without the server's client certificate: `weed shell` cannot list the bucket.
+            master_grpc = f"127.0.0.1:{ports['master.port']}.{ports['master.port.grpc']}"
+            outside = tmp_path / "elsewhere"
+            outside.mkdir()
+            try:
+                shell = subprocess.run(
+                    [str(find_weed_binary()), "shell", f"-master={master_grpc}"],
+                    input="fs.ls /buckets/door\n",
+                    capture_output=True,
+                    text=True,
+                    cwd=outside,
+                    env={"PATH": os.environ.get("PATH", ""), "HOME": str(outside)},
+                    timeout=10,
+                )
+                assert "obj" not in shell.stdout
+            except subprocess.TimeoutExpired as exc:  # it keeps retrying the refused TLS handshake
+                assert b"obj" not in (exc.stdout or b"")
