@@ -65,9 +65,11 @@ _SETTINGS_OPTIONS = {
     "cache_dir",
     "cache_bytes",
     "codec",
-    "upload_queue_bytes",
     "upload_workers",
     "io_workers",
+    "disk_workers",
+    "direct_io",
+    "load_timeout_s",
     "probe_hit_ttl_s",
     "probe_miss_ttl_s",
     "outage_cooldown_s",
@@ -88,10 +90,6 @@ _TIER_OPTIONS = {
     "gil_switch_interval_s",
     "stats_interval_s",
 }
-
-
-# A key probed this long ago and still unanswered is probed again.
-_ASK_AGAIN_S = 1.0
 
 
 _JobQueue = queue.SimpleQueue[tuple[Callable[[TransferJob], JobResult], TransferJob] | None]
@@ -201,10 +199,6 @@ class KVStoreTier(SecondaryTierManager):
         self._reported = 0
         self._idle = threading.Condition()
         self._unprobed: list[UnknownChunk] = []
-        # Keys handed to the engine's probe and not answered yet, with the time they were asked: a request
-        # that waits on them looks them up again every step, and asking again each time would only queue
-        # the same work behind itself. A key asked long ago is asked again (its answer may have expired).
-        self._asked: dict[str, float] = {}
         self._stats = BackgroundStats(
             TierStats(self._engine.metrics), interval_s=float(options.get("stats_interval_s", 0.5))
         )
@@ -239,26 +233,20 @@ class KVStoreTier(SecondaryTierManager):
         found = self._engine.lookup_cached(chunk)
         if found is Presence.PENDING:
             # Probed as one batch at the end of the step, per request and group in lookup order.
-            asked = self._asked.get(chunk)
-            if asked is None or time.monotonic() - asked > _ASK_AGAIN_S:
+            if self._engine.needs_probe(chunk):
                 position = req_context.get_offload_key_position(key)
                 self._unprobed.append(UnknownChunk(req_context.req_id, key[-4:], position, chunk))
             return LookupResult.RETRY
-        if self._asked:
-            self._asked.pop(chunk, None)
         return LookupResult.MISS if found is Presence.MISS else LookupResult.HIT
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         if self._unprobed:
             batch, self._unprobed = self._unprobed, []
-            now = time.monotonic()
-            self._asked.update((chunk.key, now) for chunk in batch)
             self._engine.probe_prefixes(prefix_chains(batch))
             self._update_switch_interval()
-        elif self._asked and not self._engine.probes_in_flight:
-            # Every probe has ended: what is still unanswered (after a store error) is asked again.
-            self._asked.clear()
+        else:
+            self._engine.end_of_step()
 
     @override
     def has_pending_work(self) -> bool:
@@ -326,7 +314,10 @@ class KVStoreTier(SecondaryTierManager):
             self._pin_sync.stop()
         report = self._engine.close(flush=True, timeout=10.0)
         if report.not_uploaded:
-            log.warning("KVStoreTier: %d chunks were not uploaded before shutdown", len(report.not_uploaded))
+            log.warning(
+                "KVStoreTier: %d chunks wait in the NVMe upload journal; the next start uploads them",
+                report.not_uploaded,
+            )
         self._node.cache.close()
         self._node.store.close()
         # vLLM unmaps the primary region next: no view of ours may outlive this call, including slices
@@ -378,10 +369,16 @@ class KVStoreTier(SecondaryTierManager):
             self._idle.notify_all()
 
     def _slot(self, chunk_id: int) -> memoryview:
+        """Row `chunk_id` of the primary region; ValueError outside it (a slice would silently be short)."""
         size = self.block_size_bytes
+        if not 0 <= chunk_id < len(self._slots) // size:
+            raise ValueError(
+                f"chunk id {chunk_id} is outside the primary region ({len(self._slots) // size})"
+            )
         return self._slots[chunk_id * size : (chunk_id + 1) * size]
 
     def _run_load(self, job: TransferJob) -> JobResult:
+        start = time.perf_counter()
         keys = list(job.keys)
         chunks = [self.namespace.chunk_key(k) for k in keys]
         ok = self._engine.load_into(
@@ -394,13 +391,19 @@ class KVStoreTier(SecondaryTierManager):
         if self._access is not None:
             self._access.record(c for c, good in zip(chunks, ok, strict=True) if good)
         nbytes = len(loaded) * self.block_size_bytes
+        elapsed = time.perf_counter() - start
         if len(loaded) == len(keys):
-            return JobResult(job_id=job.job_id, success=True, transfer_bytes=nbytes)
+            return JobResult(job_id=job.job_id, success=True, transfer_bytes=nbytes, transfer_time=elapsed)
         return JobResult(
-            job_id=job.job_id, success=False, successful_keys=loaded or None, transfer_bytes=nbytes
+            job_id=job.job_id,
+            success=False,
+            successful_keys=loaded or None,
+            transfer_bytes=nbytes,
+            transfer_time=elapsed,
         )
 
     def _run_store(self, job: TransferJob) -> JobResult:
+        start = time.perf_counter()
         items = [
             (self.namespace.chunk_key(k), self._slot(int(cid)))
             for k, cid in zip(job.keys, job.chunk_ids, strict=True)
@@ -408,9 +411,11 @@ class KVStoreTier(SecondaryTierManager):
         outcome = self._engine.store_many(items)
         if self._access is not None:
             self._access.record(c for c, _ in items)
-        stored = outcome.written + outcome.queued + outcome.skipped
         return JobResult(
-            job_id=job.job_id, success=stored >= len(items), transfer_bytes=len(items) * self.block_size_bytes
+            job_id=job.job_id,
+            success=outcome.kept >= len(items),
+            transfer_bytes=len(items) * self.block_size_bytes,
+            transfer_time=time.perf_counter() - start,
         )
 
     def _publish_namespace(self) -> None:

@@ -61,3 +61,7 @@ class LegacyChunk(ChunkUnreadable):
 
 class CacheError(KVStoreError):
     """The local NVMe cache cannot be used (unwritable directory, incompatible index, ...)."""
+
+
+class CacheClosed(CacheError):
+    """The cache was closed: whoever still holds it (a background loop after shutdown) should stop."""

@@ -1,9 +1,8 @@
 """Prometheus metrics of the data path, named in vLLM's style (`kvstore:` prefix, per-tier labels).
 
-Tiers: `nvme` (the node's cache), `object` (the local region's store), `memory` (chunks still waiting for
-upload, served from the write-behind queue). Metrics live in a registry chosen by the caller, so a test or
-a second engine in one process can have its own; `snapshot()` reads them back as plain numbers, which is what
-the vLLM tier forwards through vLLM's metric hooks.
+Tiers: `nvme` (the node's cache), `object` (the local region's store). Metrics live in a registry chosen by
+the caller, so a test or a second engine in one process can have its own; `snapshot()` reads them back as
+plain numbers, which is what the vLLM tier forwards through vLLM's metric hooks.
 
 With several regions (`kvstore.stores.regions`), `kvstore:region_hits`, `kvstore:region_copies` and
 `kvstore:region_errors`, labelled by region name, say which region served a load, what was copied into the
@@ -12,12 +11,17 @@ local region, and which remote failed or timed out.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-TIERS = ("nvme", "object", "memory")
+from kvstore.errors import KVStoreError
+
+TIERS = ("nvme", "object")
+DROP_REASONS = ("no_room", "write_error", "store_down", "error")
+LOST_UPLOAD_REASONS = ("evicted", "discarded", "fsck", "lost")
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -63,9 +67,21 @@ class EngineMetrics:
             ["tier"],
             registry=registry,
         )
+        self.unreadable = Counter(
+            "kvstore:unreadable_chunks",
+            "Chunks this reader cannot use (another version, codec or buffer size): misses, left alone",
+            ["tier"],
+            registry=registry,
+        )
+        self.write_failures = Counter(
+            "kvstore:write_failures",
+            "Chunk writes that failed (disk full, I/O error)",
+            ["tier"],
+            registry=registry,
+        )
         self.stores_dropped = Counter(
             "kvstore:stores_dropped",
-            "Chunk uploads dropped instead of queued without bound",
+            "Chunks a store job could not keep: no room (the rest is pinned), a write error, or no store",
             ["reason"],
             registry=registry,
         )
@@ -75,12 +91,36 @@ class EngineMetrics:
         self.evictions = Counter(
             "kvstore:nvme_evictions", "Chunks evicted from the NVMe cache", registry=registry
         )
-        self.upload_queue_bytes = Gauge(
-            "kvstore:upload_queue_bytes", "Bytes waiting for write-behind upload", registry=registry
+        self.uploads_lost = Counter(
+            "kvstore:uploads_lost",
+            "Chunks that left the NVMe cache before their upload (evicted, discarded as corrupt, lost)",
+            ["reason"],
+            registry=registry,
+        )
+        self.upload_retries = Counter(
+            "kvstore:upload_retries", "Uploads deferred after a failed PUT (retried later)", registry=registry
+        )
+        self.upload_backlog_chunks = Gauge(
+            "kvstore:upload_backlog_chunks",
+            "Chunks on NVMe waiting for upload (node-wide)",
+            registry=registry,
+        )
+        self.upload_backlog_bytes = Gauge(
+            "kvstore:upload_backlog_bytes", "Bytes on NVMe waiting for upload (node-wide)", registry=registry
+        )
+        self.upload_backlog_age = Gauge(
+            "kvstore:upload_backlog_oldest_seconds",
+            "Age of the oldest chunk waiting for upload (0 when none)",
+            registry=registry,
         )
         self.prefetch_bytes = Gauge(
             "kvstore:prefetch_bytes",
             "Bytes fetched by probes and held for the loads that follow",
+            registry=registry,
+        )
+        self.nvme_direct_io = Gauge(
+            "kvstore:nvme_direct_io",
+            "1 when NVMe chunk files bypass the page cache (O_DIRECT), 0 when the filesystem refuses it",
             registry=registry,
         )
         self.nvme_used_bytes = Gauge(
@@ -113,6 +153,26 @@ class EngineMetrics:
             registry=registry,
         )
 
+        # Every series exists from the start at 0: a dashboard (or a test) tells "none" from "not exported".
+        for tier in TIERS:
+            for per_tier in (
+                self.queries,
+                self.hits,
+                self.read_bytes,
+                self.write_bytes,
+                self.load_failures,
+                self.checksum_failures,
+                self.unreadable,
+                self.write_failures,
+            ):
+                per_tier.labels(tier)
+        for reason in DROP_REASONS:
+            self.stores_dropped.labels(reason)
+        for reason in LOST_UPLOAD_REASONS:
+            self.uploads_lost.labels(reason)
+        for op in ("get", "put", "exists"):
+            self.store_errors.labels(op)
+
     @classmethod
     def for_registry(cls, registry: CollectorRegistry | None = None) -> EngineMetrics:
         registry = registry if registry is not None else REGISTRY
@@ -123,8 +183,14 @@ class EngineMetrics:
 
     def track_nvme_usage(self, usage: Callable[[], tuple[int, int]]) -> None:
         """Read NVMe usage lazily at scrape time (it is shared by every process on the node)."""
-        self.nvme_used_bytes.set_function(lambda: float(usage()[0]))
-        self.nvme_budget_bytes.set_function(lambda: float(usage()[1]))
+        self.nvme_used_bytes.set_function(_at_scrape(usage, 0))
+        self.nvme_budget_bytes.set_function(_at_scrape(usage, 1))
+
+    def track_backlog(self, backlog: Callable[[], tuple[int, int, float]]) -> None:
+        """Read the upload backlog (chunks, bytes, oldest age in seconds) lazily at scrape time."""
+        self.upload_backlog_chunks.set_function(_at_scrape(backlog, 0))
+        self.upload_backlog_bytes.set_function(_at_scrape(backlog, 1))
+        self.upload_backlog_age.set_function(_at_scrape(backlog, 2))
 
     def snapshot(self) -> MetricsSnapshot:
         def value(name: str, **labels: str) -> float:
@@ -140,10 +206,20 @@ class EngineMetrics:
             )
             for tier in TIERS
         }
-        dropped = sum(
-            value("kvstore:stores_dropped_total", reason=r) for r in ("queue_full", "store_down", "error")
-        )
+        dropped = sum(value("kvstore:stores_dropped_total", reason=r) for r in DROP_REASONS)
         return MetricsSnapshot(per_tier=per_tier, stores_dropped=dropped)
+
+
+def _at_scrape(read: Callable[[], tuple[float, ...]], field: int) -> Callable[[], float]:
+    """A gauge callback that never fails a scrape: NaN once its source is gone (a closed cache)."""
+
+    def value() -> float:
+        try:
+            return float(read()[field])
+        except KVStoreError:
+            return math.nan
+
+    return value
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Any
 from kvstore.cache import NVMeCache
 from kvstore.config import LOCAL_REGION, Settings, StoreSpec
 from kvstore.embedded import SeaweedServer, ensure_embedded_server
-from kvstore.engine import TieredStore
+from kvstore.engine import EngineThreads, TieredStore
 from kvstore.errors import StoreUnavailable
 from kvstore.metrics import EngineMetrics
 from kvstore.stores import ObjectStore, RegionalStore, open_store
@@ -123,19 +123,23 @@ def open_node(settings: Settings, *, metrics: EngineMetrics | None = None, check
             if check_store:
                 raise
             log.warning("object store unreachable at start-up, continuing without it for now: %s", exc)
-        cache = NVMeCache(settings.cache_dir, settings.cache_bytes)
+        cache = open_cache(settings)
     except BaseException:
         store.close()
         if server is not None:
             server.stop()
         raise
+    threads = EngineThreads(
+        io_workers=settings.io_workers,
+        disk_workers=settings.disk_workers,
+        upload_workers=settings.upload_workers,
+    )
     engine = TieredStore(
         store,
         cache,
+        threads=threads,
         codec=settings.codec_enum,
-        upload_queue_bytes=settings.upload_queue_bytes,
-        upload_workers=settings.upload_workers,
-        io_workers=settings.io_workers,
+        load_timeout_s=settings.load_timeout_s,
         probe_hit_ttl_s=settings.probe_hit_ttl_s,
         probe_miss_ttl_s=settings.probe_miss_ttl_s,
         outage_cooldown_s=settings.outage_cooldown_s,
@@ -143,6 +147,14 @@ def open_node(settings: Settings, *, metrics: EngineMetrics | None = None, check
         metrics=metrics,
     )
     return Node(settings=settings, store=store, cache=cache, engine=engine, embedded=server)
+
+
+def open_cache(settings: Settings) -> NVMeCache:
+    """The node's NVMe cache, its index migrated first if an older release made it (a no-op otherwise)."""
+    from kvstore.migrations import migrate  # the migrations import the cache: imported late
+
+    migrate(cache_dir=settings.cache_dir)
+    return NVMeCache(settings.cache_dir, settings.cache_bytes, direct_io=settings.direct_io)
 
 
 @contextlib.contextmanager

@@ -112,7 +112,8 @@ def local_stats(node: Node) -> dict[str, Any]:
     network (the admin service answers these live and the rest from `store_stats` run in the background)."""
     out: dict[str, Any] = _tiers(node.engine)
     out["nvme"] = _nvme(node.cache)
-    out["upload_queue_bytes"] = node.engine.upload_queue_bytes
+    backlog = node.cache.backlog()
+    out["upload_backlog"] = {"chunks": backlog.chunks, "bytes": backlog.bytes}
     return out
 
 

@@ -20,13 +20,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import httpx
 
-from kvstore.chunk import encode
 from kvstore.engine import TieredStore
 from kvstore.engine.probes import Presence
 from kvstore.errors import ConfigError, KVStoreError, StoreError
@@ -38,7 +36,6 @@ __all__ = ["VLLMError", "VLLMUnreachable", "WarmError", "WarmReport", "prefetch"
 
 log = logging.getLogger(__name__)
 
-_PREFETCH_WORKERS = 8
 _POLL_INTERVAL_S = 0.25
 # A vLLM that accepts no TCP connection this long is unreachable, whatever `timeout_s` allows the prefill.
 _CONNECT_TIMEOUT_S = 10.0
@@ -87,28 +84,12 @@ class WarmReport:
         return out
 
 
-def prefetch(engine: TieredStore, keys: Sequence[str], *, workers: int = _PREFETCH_WORKERS) -> int:
+def prefetch(engine: TieredStore, keys: Sequence[str]) -> int:
     """Bring `keys` from the object store into the engine's NVMe cache now; how many are cached after.
 
-    Each chunk is read through `engine.get` (verified; a corrupt object counts as missing) and re-encoded
-    with the engine's codec. A chunk the engine's own background admission wrote first counts as cached."""
-    cache = engine.cache
-    if cache is None:
-        raise ConfigError("prefetch needs an engine with an NVMe cache")
-    if not keys:
-        return 0
-
-    def one(key: str) -> bool:
-        raw = engine.get(key)
-        if raw is None:
-            return False
-        blob = encode(raw, engine.codec, element_width=engine.element_width)
-        return cache.put(key, blob) or cache.contains(key)
-
-    with ThreadPoolExecutor(
-        max_workers=max(1, min(workers, len(keys))), thread_name_prefix="kvstore-warm"
-    ) as pool:
-        return sum(pool.map(one, keys))
+    Chunks are verified and admitted through the engine's one admission path (answers, events, metrics),
+    exactly like object hits of a load."""
+    return engine.warm(keys)
 
 
 def request_prefill(

@@ -46,7 +46,7 @@ from typing import ParamSpec, TypeVar
 
 import lmdb
 
-from kvstore.errors import CacheError
+from kvstore.errors import CacheClosed, CacheError
 
 SCHEMA_VERSION = 2
 STATE_READY = 1
@@ -312,7 +312,7 @@ class CacheIndex:
     def _db(self) -> _Shared:
         shared = self._shared
         if shared is None:
-            raise CacheError(f"cache index {self.path!r} is closed")
+            raise CacheClosed(f"cache index {self.path!r} is closed")
         return shared
 
     def close(self) -> None:

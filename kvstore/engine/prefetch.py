@@ -3,8 +3,8 @@
 The scheduler's probe asks the object store whether chunks exist; a load follows for those that do. On the
 vLLM path the probe GETs instead of HEADs (same request count, and a missing key costs the same), so the load
 that follows finds the bytes here and the request waits for one network round instead of two. Blobs are
-kept unverified: the load verifies them, as it does every chunk it serves. Bounded by bytes; entries that no
-load takes within `ttl_s` are dropped (the request went elsewhere, or was cancelled).
+verified as they arrive, on the probe's io thread, so the load only copies them into place. Bounded by bytes;
+entries that no load takes within `ttl_s` are dropped (the request went elsewhere, or was cancelled).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from kvstore.engine.io import Fetched
+
 
 class PrefetchBuffer:
     def __init__(self, max_bytes: int, *, ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
@@ -21,7 +23,7 @@ class PrefetchBuffer:
         self._ttl = ttl_s
         self._clock = clock
         self._bytes = 0
-        self._entries: OrderedDict[str, tuple[bytes, str | None, float]] = OrderedDict()  # oldest first
+        self._entries: OrderedDict[str, tuple[Fetched, int, float]] = OrderedDict()  # oldest first
         self._lock = threading.Lock()
 
     @property
@@ -32,21 +34,23 @@ class PrefetchBuffer:
     def held_bytes(self) -> int:
         return self._bytes
 
-    def offer(self, key: str, blob: bytes, region: str | None) -> bool:
-        """Hold `blob` (fetched from `region`, None for a single store); False when it does not fit."""
+    def offer(self, fetched: Fetched) -> bool:
+        """Hold a verified chunk; False when it does not fit."""
+        assert fetched.blob is not None
+        size = memoryview(fetched.blob).nbytes
         now = self._clock()
         with self._lock:
             self._expire(now)
-            if key in self._entries:
+            if fetched.key in self._entries:
                 return True
-            if self._bytes + len(blob) > self._max_bytes:
+            if self._bytes + size > self._max_bytes:
                 return False
-            self._entries[key] = (blob, region, now + self._ttl)
-            self._bytes += len(blob)
+            self._entries[fetched.key] = (fetched, size, now + self._ttl)
+            self._bytes += size
             return True
 
-    def take(self, key: str) -> tuple[bytes, str | None] | None:
-        """The held blob and its region, removed from the buffer; None if not held (or expired)."""
+    def take(self, key: str) -> Fetched | None:
+        """The held chunk, removed from the buffer; None if not held (or expired)."""
         if key not in self._entries:  # lock-free fast path: most loads find nothing here
             return None
         now = self._clock()
@@ -55,14 +59,14 @@ class PrefetchBuffer:
             self._expire(now)  # loads are what follows probes: a good moment to let go of stale blobs
             if found is None:
                 return None
-            blob, region, expires = found
-            self._bytes -= len(blob)
-            return (blob, region) if now < expires else None
+            fetched, size, expires = found
+            self._bytes -= size
+            return fetched if now < expires else None
 
     def _expire(self, now: float) -> None:
         while self._entries:
-            key, (blob, _, expires) = next(iter(self._entries.items()))
+            key, (_, size, expires) = next(iter(self._entries.items()))
             if expires > now:
                 return
             del self._entries[key]
-            self._bytes -= len(blob)
+            self._bytes -= size

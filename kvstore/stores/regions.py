@@ -32,7 +32,7 @@ from typing import TypeVar
 
 from typing_extensions import override
 
-from kvstore.chunk import decode
+from kvstore.chunk import verify
 from kvstore.errors import ChunkError, ConfigError, StoreError
 from kvstore.keys import is_chunk_key
 from kvstore.metrics import EngineMetrics
@@ -236,7 +236,7 @@ class RegionalStore(ObjectStore):
     def _copy(self, key: str, blob: bytes, source: str) -> None:
         try:
             try:
-                decode(blob)  # verify before the local region vouches for these bytes
+                verify(key, blob)  # before the local region vouches for these bytes
             except ChunkError as exc:
                 log.warning("not copying %s from region %s: %s", key, source, exc)
                 return

@@ -34,7 +34,7 @@ def test_empty_node(node: Node) -> None:
     assert stats["nvme"]["entries"] == 0 and stats["nvme"]["budget_bytes"] == 16 << 20
     assert stats["tiers"]["nvme"]["hit_rate"] is None  # no queries yet: no rate, not 0
     assert stats["pins"] == {"count": 0, "live": 0} and stats["last_gc"] is None
-    assert stats["upload_queue_bytes"] == 0
+    assert stats["upload_backlog"] == {"chunks": 0, "bytes": 0}
     json.dumps(stats)  # JSON-ready
 
 
@@ -96,7 +96,7 @@ def test_every_region_is_reported(
     )  # fmt: skip
     [key] = keys_for_tokens(NS, list(range(16)))
     with s3_server.store(s3_store.bucket, far) as remote:
-        remote.put(key, encode(bytes(1000)))
+        remote.put(key, encode(key, bytes(1000)).to_bytes())
     assert node.engine.get(key) == bytes(1000)  # served by "eu", then copied home
 
     regions = {r["name"]: r for r in node_stats(node, scan_bucket=False)["regions"]}

@@ -89,7 +89,7 @@ def test_corrupt_remote_chunk_counts_as_missing(make_node: Callable[[str], Node]
     keys = keys_for_tokens(NS, TOKENS)
     seed(make_node("a"), keys[:9])
     b = make_node("b")
-    b.store.put(keys[9], encode(b"x" * 64)[:-8])  # truncated: fails verification on fetch
+    b.store.put(keys[9], encode(keys[9], b"x" * 64).to_bytes()[:-8])  # truncated: fails its check
     report = warm(b, NS.id, TOKENS)
     assert (report.remote, report.prefetched, report.still_missing) == (9, 9, 1)
     assert any("could not be fetched" in e for e in report.errors)

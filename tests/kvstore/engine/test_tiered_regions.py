@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvstore.chunk import Codec, encode
+from kvstore.chunk import HEADER_BLOCK, Codec, encode
 from kvstore.config import load_settings
 from kvstore.engine import Presence
 from kvstore.metrics import EngineMetrics
@@ -105,8 +105,8 @@ def test_remote_hit_is_served_then_local_then_on_nvme(
     node: Node, local: S3Store, remote: S3Store, metrics: EngineMetrics
 ) -> None:
     key, here = chunk_key(), chunk_key()
-    remote.put(key, encode(payload(1), Codec.ZSTD))
-    local.put(here, encode(payload(2), Codec.ZSTD))
+    remote.put(key, encode(key, payload(1), Codec.ZSTD).to_bytes())
+    local.put(here, encode(here, payload(2), Codec.ZSTD).to_bytes())
     assert node.engine.lookup([key, here]) == [Presence.REMOTE, Presence.REMOTE]
     assert load(node, key) == payload(1)
     assert load(node, here) == payload(2)
@@ -132,8 +132,8 @@ def test_corrupt_remote_chunk_is_neither_served_nor_copied(
     node: Node, local: S3Store, remote: S3Store, metrics: EngineMetrics
 ) -> None:
     key = chunk_key()
-    bad = bytearray(encode(payload(3)))
-    bad[-1] ^= 0xFF
+    bad = bytearray(encode(key, payload(3)).to_bytes())
+    bad[HEADER_BLOCK] ^= 0xFF
     remote.put(key, bytes(bad))
     assert load(node, key) is None
     assert sample(metrics, "kvstore:checksum_failures_total", tier="object") == 1

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvstore.chunk import encode
+from kvstore.chunk import HEADER_BLOCK, encode
 from kvstore.config import load_settings
 from kvstore.metrics import EngineMetrics
 from kvstore.runtime import open_object_store
@@ -139,8 +139,8 @@ class FakeClock:
         return self.now
 
 
-def chunk(i: int, size: int = 4096) -> bytes:
-    return encode(bytes((i + j) % 251 for j in range(size)))
+def chunk(i: int, key: str, size: int = 4096) -> bytes:
+    return encode(key, bytes((i + j) % 251 for j in range(size))).to_bytes()
 
 
 def chunk_key(tag: str = "") -> str:
@@ -253,13 +253,13 @@ def test_local_hits_never_touch_the_remote(
     regional: RegionalStore, local: S3Store, remote: S3Store, proxy: TcpProxy, metrics: EngineMetrics
 ) -> None:
     key, both = chunk_key(), chunk_key()
-    local.put(key, chunk(1))
-    local.put(both, chunk(2))
-    remote.put(both, chunk(3))
+    local.put(key, chunk(1, key))
+    local.put(both, chunk(2, both))
+    remote.put(both, chunk(3, both))
     proxy.delay = 30.0  # a remote this slow would stall any caller that waited on it
-    assert get_located(regional, key) == (chunk(1), "local")
-    assert regional.get(both) == chunk(2)  # local wins; a key already local is never copied
-    assert regional.get_range(key, 64, 10) == chunk(1)[64:74]
+    assert get_located(regional, key) == (chunk(1, key), "local")
+    assert regional.get(both) == chunk(2, both)  # local wins; a key already local is never copied
+    assert regional.get_range(key, 64, 10) == chunk(1, key)[64:74]
     assert regional.exists_many([key, both]) == [True, True]
     assert proxy.connections == 0 and proxy.requests == 0
     assert regional.wait_copies(10)
@@ -270,7 +270,7 @@ def test_writes_lists_deletes_and_meta_stay_local(
     regional: RegionalStore, local: S3Store, remote: S3Store, proxy: TcpProxy
 ) -> None:
     written, meta = chunk_key(), "_meta/leases/gc"
-    regional.put(written, chunk(4))
+    regional.put(written, chunk(4, written))
     assert regional.put_if_absent(meta, b"lease") is True
     assert remote.get(written) is None and remote.get(meta) is None
     assert [o.key for o in regional.list()] == [o.key for o in local.list()]
@@ -292,18 +292,18 @@ def test_remote_hit_is_served_and_copied_once(
     with _bucket(private_s3_server) as far, _proxy(private_s3_server) as proxy:
         seeder = private_s3_server.store(far)
         single, contended = chunk_key(), chunk_key()
-        seeder.put(single, chunk(5))
-        seeder.put(contended, chunk(6))
+        seeder.put(single, chunk(5, single))
+        seeder.put(contended, chunk(6, contended))
         remote_store = through(proxy, private_s3_server, far)
         with RegionalStore(
             s3_server.store(s3_bucket), [("us-west", remote_store)], timeout_s=5.0, metrics=metrics
         ) as regional:
             assert regional.exists_many([single, chunk_key()]) == [True, False]
-            assert get_located(regional, single) == (chunk(5), "us-west")
+            assert get_located(regional, single) == (chunk(5, single), "us-west")
             assert regional.wait_copies(30)
-            assert local.get(single) == chunk(5)
+            assert local.get(single) == chunk(5, single)
             asked = proxy.requests
-            assert get_located(regional, single) == (chunk(5), "local")
+            assert get_located(regional, single) == (chunk(5, single), "local")
             assert proxy.requests == asked  # now local: the remote is not asked again
 
             # Many concurrent misses of one key: every caller is served, the key is copied once.
@@ -319,11 +319,11 @@ def test_remote_hit_is_served_and_copied_once(
                 thread.start()
             for thread in threads:
                 thread.join(30)
-            assert results == [chunk(6)] * 8
+            assert results == [chunk(6, contended)] * 8
             assert regional.wait_copies(30)
-            assert local.get(contended) == chunk(6)
+            assert local.get(contended) == chunk(6, contended)
             assert sample(metrics, "kvstore:region_copies_total", "us-west") == 2
-            assert seeder.get(single) == chunk(5)  # the remote is read, never written
+            assert seeder.get(single) == chunk(5, single)  # the remote is read, never written
         seeder.close()
 
 
@@ -331,7 +331,7 @@ def test_slow_remote_past_the_deadline_is_a_miss_and_is_skipped(
     regional: RegionalStore, remote: S3Store, proxy: TcpProxy, metrics: EngineMetrics
 ) -> None:
     key = chunk_key()
-    remote.put(key, chunk(7))
+    remote.put(key, chunk(7, key))
     proxy.delay = 30.0
     assert regional.get(key) is None  # the deadline answered, not the remote
     assert regional.remote_available("eu") is False
@@ -354,7 +354,7 @@ def test_cut_remote_fails_clean_and_comes_back_after_the_cooldown(
     clock: FakeClock,
 ) -> None:
     key = chunk_key()
-    remote.put(key, chunk(8))
+    remote.put(key, chunk(8, key))
     proxy.cut()
     assert regional.exists_many([key]) == [False]
     assert sample(metrics, "kvstore:region_errors_total", "eu") == 1
@@ -363,9 +363,9 @@ def test_cut_remote_fails_clean_and_comes_back_after_the_cooldown(
     assert regional.get(key) is None  # back, but still cooling down
     clock.now += 31
     assert regional.remote_available("eu") is True
-    assert get_located(regional, key) == (chunk(8), "eu")
+    assert get_located(regional, key) == (chunk(8, key), "eu")
     assert regional.wait_copies(30)
-    assert local.get(key) == chunk(8)
+    assert local.get(key) == chunk(8, key)
     assert sample(metrics, "kvstore:region_copies_total", "eu") == 1
     assert sample(metrics, "kvstore:region_errors_total", "eu") == 1
 
@@ -374,8 +374,8 @@ def test_corrupt_remote_object_is_never_copied(
     regional: RegionalStore, local: S3Store, remote: S3Store, metrics: EngineMetrics
 ) -> None:
     key = chunk_key()
-    bad = bytearray(chunk(9))
-    bad[-1] ^= 0xFF
+    bad = bytearray(chunk(9, key))
+    bad[HEADER_BLOCK] ^= 0xFF
     remote.put(key, bytes(bad))
     # The store hands bytes on unverified (the engine verifies before use); it never vouches for them.
     assert regional.get(key) == bytes(bad)
@@ -388,11 +388,11 @@ def test_copies_stay_within_their_byte_budget(
     s3_server: S3Server, s3_bucket: str, remote_bucket: str, local: S3Store, remote: S3Store
 ) -> None:
     key = chunk_key()
-    remote.put(key, chunk(10))
+    remote.put(key, chunk(10, key))
     with RegionalStore(
         s3_server.store(s3_bucket), [("eu", s3_server.store(remote_bucket))], copy_queue_bytes=1024
     ) as regional:
-        assert regional.get(key) == chunk(10)  # served, but too big to copy within the budget
+        assert regional.get(key) == chunk(10, key)  # served, but too big to copy within the budget
         assert regional.wait_copies(30)
     assert local.get(key) is None
 
@@ -401,7 +401,7 @@ def test_open_object_store_builds_regions_from_settings(
     s3_server: S3Server, s3_bucket: str, remote_bucket: str, remote: S3Store, proxy: TcpProxy
 ) -> None:
     key = chunk_key()
-    remote.put(key, chunk(11))
+    remote.put(key, chunk(11, key))
     settings = load_settings(
         store_url=[
             f"s3://{s3_bucket}",
@@ -418,7 +418,7 @@ def test_open_object_store_builds_regions_from_settings(
         assert server is None and isinstance(store, RegionalStore)
         assert store.regions == ["local", "eu"] and store.url == f"s3://{s3_bucket}"
         assert s3_server.secret_key not in repr(store)
-        assert get_located(store, key) == (chunk(11), "eu")
+        assert get_located(store, key) == (chunk(11, key), "eu")
         assert proxy.requests >= 1
         assert store.wait_copies(30)
         assert sample(metrics, "kvstore:region_copies_total", "eu") == 1
