@@ -59,6 +59,7 @@ class MigrationContext:
 
     env: lmdb.Environment | None = None
     store: ObjectStore | None = None
+    cache_dir: Path | None = None  # with `env`: the cache directory whose index it is
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,11 @@ def _migrate_cache(cache_dir: Path, steps: list[Step]) -> list[Applied]:
     if not (path / "data.mdb").exists():
         return []  # no index yet: the cache creates it at the current version
     if os.path.realpath(path) in cache_index._REGISTRY:
-        raise MigrationError(f"cache index {str(path)!r} is open in this process; migrate before opening it")
+        return []  # open here already, so current: an index older than the code is refused at open
+    try:
+        cache_index.check_data_file(str(path))
+    except KVStoreError as exc:
+        raise MigrationError(str(exc)) from None
     try:
         env = lmdb.open(str(path), max_dbs=8, map_size=cache_index.DEFAULT_MAP_SIZE, subdir=True)
     except lmdb.Error as exc:
@@ -136,7 +141,7 @@ def _migrate_cache(cache_dir: Path, steps: list[Step]) -> list[Applied]:
                 )
             if version >= step.version:
                 continue
-            step.apply(MigrationContext(env=env))
+            step.apply(MigrationContext(env=env, cache_dir=cache_dir))
             if _index_version(env) < step.version:
                 raise MigrationError(f"{step.module} did not stamp schema version {step.version}")
             applied.append(Applied("cache", step.version, step.describe))

@@ -11,8 +11,9 @@ import pytest
 from kvstore.migrations import LATEST_VERSION, Applied, MigrationError, load_steps, migrate
 from kvstore.migrations.runner import LAYOUT_KEY
 
-from kvstore.cache.index import CacheIndex
 from kvstore.cache.nvme import NVMeCache
+from kvstore.chunk import Codec, decode, encode, encode_legacy
+from kvstore.errors import CacheError
 from kvstore.stores.base import ObjectStore
 
 _ENTRY = struct.Struct("<Q16sQ8sB")
@@ -57,31 +58,71 @@ def test_steps_are_numbered_without_gaps() -> None:
 def test_migrates_v0_index_and_bucket(tmp_path: Path, s3_store: ObjectStore) -> None:
     _build_v0_index(tmp_path)
     applied = migrate(cache_dir=tmp_path, store=s3_store)
-    assert [(a.target, a.version) for a in applied] == [("cache", 1), ("bucket", 1)]
+    assert [(a.target, a.version) for a in applied] == [
+        ("cache", 1),
+        ("cache", 2),
+        ("bucket", 1),
+        ("bucket", 2),
+    ]
     assert all(isinstance(a, Applied) and a.describe for a in applied)
     meta = _meta(tmp_path)
-    assert meta[b"schema_version"] == 1 and meta[b"used_bytes"] == 600 and meta[b"entries"] == 3
-    assert meta[b"lru_records"] == 2  # the pinned entry stays out of eviction order
-    assert json.loads(s3_store.get(LAYOUT_KEY) or b"") == {"version": 1}
+    # Version-1 chunks are not bound to their keys: the cache drops them (keeping its pins).
+    assert meta[b"schema_version"] == 2 and meta[b"used_bytes"] == 0 and meta[b"entries"] == 0
+    assert json.loads(s3_store.get(LAYOUT_KEY) or b"") == {"version": 2}
     # The migrated index opens cleanly and agrees with itself.
-    index = CacheIndex(tmp_path)
-    try:
-        rec_used, used, rec_count, count, lru_mismatch = index.audit()
-        assert (rec_used, rec_count, lru_mismatch) == (used, count, 0) == (600, 3, 0)
-    finally:
-        index.close()
+    with NVMeCache(tmp_path, 1 << 20) as cache:
+        assert cache.fsck().clean
+        assert cache.pinned("ns_r0/abc/de_g0/1.bin") == 1
     # Idempotent: nothing left to do.
     assert migrate(cache_dir=tmp_path, store=s3_store) == []
 
 
+def test_version_1_cache_files_are_dropped_and_the_cache_opens(tmp_path: Path) -> None:
+    """A cache written by the previous release: real version-1 files under a version-1 index."""
+    from kvstore.cache.files import ChunkFiles
+
+    _build_v0_index(tmp_path)
+    files = ChunkFiles(tmp_path, direct_io=False)
+    paths = [
+        files.write(f"ns_r0/abc/de_g0/{i}.bin", b"t" * 8, [encode_legacy(b"old" * 100)]) for i in range(3)
+    ]
+    env = lmdb.open(str(tmp_path / "index"), max_dbs=8, map_size=1 << 24)
+    meta = env.open_db(b"meta")  # before the write txn: open_db inside one would wait on its own lock
+    with env.begin(write=True) as txn:
+        txn.put(b"schema_version", _U64.pack(1), db=meta)
+    env.close()
+    with pytest.raises(CacheError, match="kvstore migrate"):
+        NVMeCache(tmp_path, 1 << 20)
+    assert [a.version for a in migrate(cache_dir=tmp_path)] == [2]
+    assert not any(Path(p).exists() for p in paths)
+    with NVMeCache(tmp_path, 1 << 20) as cache:
+        assert cache.usage().entries == 0 and cache.fsck().clean
+
+
+def test_version_1_bucket_chunks_are_rewritten_bound_to_their_keys(s3_store: ObjectStore) -> None:
+    old, bad, current, foreign = (f"ns_r0/abc/de_g0/{name}.bin" for name in ("old", "bad", "v2", "foreign"))
+    s3_store.put(old, encode_legacy(b"kv" * 3000, Codec.ZSTD))
+    damaged = bytearray(encode_legacy(b"kv" * 100))
+    damaged[-1] ^= 1
+    s3_store.put(bad, bytes(damaged))
+    v2 = encode(current, b"new" * 100).to_bytes()
+    s3_store.put(current, v2)
+    s3_store.put(foreign, b"raw bytes another tool wrote")
+    s3_store.put(LAYOUT_KEY, json.dumps({"version": 1}).encode())
+    assert [a.version for a in migrate(store=s3_store)] == [2]
+    assert decode(old, s3_store.get(old) or b"") == b"kv" * 3000
+    assert s3_store.get(bad) == bytes(damaged), "what fails its check is left as it was"
+    assert s3_store.get(current) == v2 and s3_store.get(foreign) == b"raw bytes another tool wrote"
+    assert migrate(store=s3_store) == []
+
+
 def test_fresh_targets(tmp_path: Path, s3_store: ObjectStore) -> None:
-    assert migrate(cache_dir=tmp_path / "none") == []  # no index yet: the cache creates it at v1
+    assert migrate(cache_dir=tmp_path / "none") == []  # no index yet: the cache creates it current
     with NVMeCache(tmp_path / "c", 1 << 20) as cache:
         cache.put("k/a.bin", b"x")
-        with pytest.raises(MigrationError, match="open in this process"):
-            migrate(cache_dir=tmp_path / "c")
+        assert migrate(cache_dir=tmp_path / "c") == []  # open here, so current (an older one is refused)
     assert migrate(cache_dir=tmp_path / "c") == []
-    assert [a.target for a in migrate(store=s3_store)] == ["bucket"]
+    assert [(a.target, a.version) for a in migrate(store=s3_store)] == [("bucket", 1), ("bucket", 2)]
 
 
 def test_refuses_newer(tmp_path: Path, s3_store: ObjectStore) -> None:
