@@ -245,19 +245,27 @@ class SeaweedServer:
         certificate in `security.toml`, in the working directory)."""
         assert self._ports is not None
         master = f"{_HOST}:{self._ports.by_flag['master.port']}.{self._ports.by_flag['master.port.grpc']}"
-        try:
-            subprocess.run(
-                [str(self._binary), "-logtostderr", "shell", f"-master={master}"],
-                input=b"lock\nvolume.vacuum -garbageThreshold=0.1\nunlock\n",
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                env=self._environment(),
-                cwd=self.data_dir,
-                timeout=600,
-                check=True,
-            )
-        except (OSError, subprocess.SubprocessError) as exc:  # stopped first, or busy: the sweep comes later
-            log.debug("vacuum failed: %s", exc)
+        process = self._process
+        # Volume servers report their volumes to the master a little after start; a pass before that finds
+        # nothing to compact, so a few passes follow (each costs a fraction of a second when idle).
+        for delay in (0.5, 1.5, 3.0, 5.0, 10.0):
+            time.sleep(delay)
+            if process is None or process.poll() is not None or process is not self._process:
+                return
+            try:
+                with (self.data_dir / "weed-shell.log").open("ab") as out:
+                    subprocess.run(
+                        [str(self._binary), "-logtostderr", "shell", f"-master={master}"],
+                        input=b"lock\nvolume.vacuum -garbageThreshold=0.1\nunlock\n",
+                        stdout=out,
+                        stderr=out,
+                        env=self._environment(),
+                        cwd=self.data_dir,
+                        timeout=600,
+                        check=True,
+                    )
+            except (OSError, subprocess.SubprocessError) as exc:  # stopped, or busy: the sweep comes later
+                log.debug("vacuum failed: %s", exc)
 
     def _probe_store(self) -> S3Store:
         return S3Store(
