@@ -62,6 +62,7 @@ PHASE_MARGIN_S = 60.0
 HOLD_TTL_S = 30.0
 HOLD_MARGIN_S = 10.0
 _POLL_S = 0.1
+_HOLD_KEEP_S = 3600.0  # expired holds older than this are removed by GC (their creators are long gone)
 
 
 class FenceTimeout(KVStoreError):
@@ -99,10 +100,15 @@ class DeleteFence:
     def _live_holds(self) -> list[str]:
         now = self._clock()
         live: list[str] = []
+        dead: list[str] = []
         for info in self._store.list(HOLD_PREFIX):
             until = _until(self._store.get(info.key))
             if until is not None and until > now:
                 live.append(info.key)
+            elif until is not None and until < now - _HOLD_KEEP_S:
+                dead.append(info.key)  # left by a creator that crashed long ago
+        if dead:
+            self._store.delete_many(dead)
         return live
 
     @contextlib.contextmanager

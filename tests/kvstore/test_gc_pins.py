@@ -8,6 +8,7 @@ the manifests in the bucket at that moment.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -208,3 +209,16 @@ def test_gc_waits_for_a_creator_between_its_hold_and_its_manifest(
     report = result[0]
     assert all(store.exists_many(keys[:BATCH])) and report.kept_pinned == BATCH
     assert report.deleted == len(keys) - BATCH and report.pin_fence_wait_s > 0
+
+
+def test_holds_of_crashed_creators_neither_block_gc_nor_pile_up(
+    bucket: tuple[ObjectStore, list[str], float],
+) -> None:
+    store, keys, t0 = bucket
+    store.put(f"{HOLD_PREFIX}crashed-long-ago.json", json.dumps({"until": time.time() - 7200}).encode())
+    store.put(f"{HOLD_PREFIX}crashed-just-now.json", json.dumps({"until": time.time() - 1}).encode())
+    store.put(f"{HOLD_PREFIX}torn.json", b"{not json")
+    report = run_gc(store, ttl_seconds=0, grace_seconds=0, now=t0 + 10)
+    assert report.deleted == len(keys) and report.pin_fence_wait_s == 0
+    left = {info.key for info in store.list(HOLD_PREFIX)}
+    assert left == {f"{HOLD_PREFIX}crashed-just-now.json"}  # an unreadable hold counts as long expired
