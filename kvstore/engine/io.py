@@ -1,0 +1,164 @@
+"""The engine's I/O: functions that take their inputs and return result records, deciding nothing.
+
+They run on the threads of ``kvstore.engine.threads``; the manager (``kvstore.engine.manager``) decides what
+to do with what they return (answers, metrics, events, deletions, the breaker). A missing chunk and a bad
+chunk are results; only the store's own failures (``StoreError``) and the cache's (``CacheError``) raise.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvstore.cache import CachedChunk, NVMeCache, StagedFile
+from kvstore.chunk import Buffer, ChunkHeader, Codec, decode_into, encode, payload_of, unpack_into, verify
+from kvstore.errors import CacheError, ChunkError, StoreError
+from kvstore.stores import ObjectStore, get_located
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """One GET: the object (None if the store has no such key), where it came from, and whether it is a
+    good chunk for its key (``header``) or why not (``error``)."""
+
+    key: str
+    blob: Buffer | None
+    region: str | None = None
+    header: ChunkHeader | None = None
+    error: ChunkError | None = None
+    seconds: float = 0.0
+
+    @property
+    def good(self) -> bool:
+        return self.header is not None
+
+
+def fetch(store: ObjectStore, key: str) -> Fetched:
+    """GET ``key`` and verify it as ``key``'s chunk (the payload is hashed in place, not copied)."""
+    start = time.perf_counter()
+    blob, region = get_located(store, key)
+    if blob is None:
+        return Fetched(key, None, region, seconds=time.perf_counter() - start)
+    try:
+        header = verify(key, blob)
+    except ChunkError as exc:
+        return Fetched(key, blob, region, error=exc, seconds=time.perf_counter() - start)
+    return Fetched(key, blob, region, header=header, seconds=time.perf_counter() - start)
+
+
+def deliver(fetched: Fetched, dest: memoryview) -> ChunkError | None:
+    """Copy a verified chunk's raw bytes into ``dest`` (memory speed, without the GIL); the error if it
+    cannot go there (another buffer size)."""
+    assert fetched.header is not None and fetched.blob is not None
+    header = fetched.header
+    try:
+        unpack_into(header, payload_of(header, fetched.blob), dest)
+    except ChunkError as exc:
+        return exc
+    return None
+
+
+class NetworkBatch:
+    """GETs of several chunks into their destinations on the io threads, with a deadline.
+
+    At the deadline the batch is abandoned: GETs still on the wire finish on their own (the store's own
+    timeouts end them), but their bytes are never copied into a destination, whose owner (vLLM) may reuse
+    it the moment the job reports. A copy that started before the deadline is waited for; copies run at
+    memory speed."""
+
+    def __init__(self, store: ObjectStore, items: Sequence[tuple[str, memoryview]]) -> None:
+        self._store = store
+        self._items = items
+        self._results: list[Fetched | None] = [None] * len(items)
+        self._errors: list[StoreError | None] = [None] * len(items)
+        self._cond = threading.Condition()
+        self._copying = 0
+        self._finished = 0
+        self._abandoned = False
+
+    def run(
+        self, submit: Callable[[Callable[[], None]], object], workers: int, deadline: float
+    ) -> tuple[list[Fetched | None], list[StoreError | None]]:
+        """Results per item (None: not fetched in time), and the store errors met."""
+        todo = iter(range(len(self._items)))
+        runners = min(workers, len(self._items))
+        for _ in range(runners):
+            submit(lambda: self._run(todo))
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._finished == runners, timeout=max(0.0, deadline - time.monotonic())
+            )
+            self._abandoned = True
+            self._cond.wait_for(lambda: self._copying == 0)
+            return list(self._results), list(self._errors)
+
+    def _run(self, todo: object) -> None:
+        try:
+            for i in todo:  # type: ignore[attr-defined]
+                if self._abandoned:
+                    return
+                key, dest = self._items[i]
+                try:
+                    blob, region = get_located(self._store, key)
+                except StoreError as exc:
+                    self._errors[i] = exc
+                    return  # the store is failing: the rest of the batch waits for nothing
+                with self._cond:
+                    if self._abandoned:
+                        return
+                    self._copying += 1
+                try:
+                    self._results[i] = _decode_fetched(key, blob, region, dest)
+                finally:
+                    with self._cond:
+                        self._copying -= 1
+                        self._cond.notify_all()
+        finally:
+            with self._cond:
+                self._finished += 1
+                self._cond.notify_all()
+
+
+def _decode_fetched(key: str, blob: Buffer | None, region: str | None, dest: memoryview) -> Fetched:
+    if blob is None:
+        return Fetched(key, None, region)
+    try:
+        return Fetched(key, blob, region, header=decode_into(key, blob, dest))
+    except ChunkError as exc:
+        return Fetched(key, blob, region, error=exc)
+
+
+def write_chunk(
+    cache: NVMeCache, key: str, raw: memoryview, codec: Codec, width: int
+) -> StagedFile | CacheError:
+    """Encode ``raw`` as ``key``'s chunk and write its file (straight from ``raw`` when uncompressed)."""
+    try:
+        chunk = encode(key, raw, codec, element_width=width)
+        return cache.write_file(chunk.header, chunk.parts())
+    except CacheError as exc:
+        return exc
+
+
+def write_fetched(cache: NVMeCache, fetched: Fetched) -> StagedFile | CacheError:
+    """Write a verified object-store chunk as it came (its bytes are already the file's)."""
+    assert fetched.header is not None and fetched.blob is not None
+    try:
+        return cache.write_file(fetched.header, [fetched.blob])
+    except CacheError as exc:
+        return exc
+
+
+def upload(cache: NVMeCache, store: ObjectStore, located: CachedChunk) -> int:
+    """PUT one queued chunk from its NVMe file; the bytes sent. FileNotFoundError if the file went (evicted
+    meanwhile), CacheError if it is torn or fails its check (never uploaded), StoreError from the store."""
+    blob = cache.read_stored(located)
+    try:
+        header = verify(located.key, blob)  # the bucket is shared: never PUT bytes that fail their check
+    except ChunkError as exc:
+        raise CacheError(f"queued chunk {located.key} is damaged on NVMe: {exc}") from exc
+    if header.checksum != located.checksum:
+        raise CacheError(f"queued chunk {located.key} differs from its index entry")
+    store.put(located.key, blob)
+    return len(blob)

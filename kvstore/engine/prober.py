@@ -1,0 +1,182 @@
+"""Probe scheduling: finding out, in the background, where the chunks the scheduler asked about are.
+
+The vLLM scheduler must never block, so its lookups read only the answer cache; what it does not know goes
+to the probe, one thread that asks the index first, then the object store (by GET when prefetching is on,
+so the load that follows finds the bytes in memory; else by HEAD). A request that waits looks its keys up
+again on every scheduler step: a key already asked is not asked again until it is answered, every probe has
+ended, or it was asked longer ago than ``_ASK_AGAIN_S`` (its answer may have been lost to a store error).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+from kvstore.engine import io
+from kvstore.engine.prefetch import PrefetchBuffer
+from kvstore.engine.probes import Presence
+from kvstore.engine.state import EngineState
+from kvstore.errors import StoreError
+
+log = logging.getLogger(__name__)
+
+_MAX_PENDING_PROBES = 65_536
+_ASK_AGAIN_S = 1.0
+_IDLE_S = 0.2
+
+
+class Prober:
+    def __init__(
+        self, state: EngineState, prefetched: PrefetchBuffer, *, on_idle: Callable[[], None]
+    ) -> None:
+        self._state = state
+        self._prefetched = prefetched
+        self._on_idle = on_idle  # the probe thread's spare time: buffered touches go to the index
+        self._asked: dict[str, float] = {}  # keys handed to the probe and not answered yet
+        self._requests: queue.SimpleQueue[list[list[str]]] = queue.SimpleQueue()
+        self._probing: set[str] = set()
+        self._stopping = threading.Event()
+
+    # -- the scheduler's side (never blocks) -------------------------------------------------------------
+
+    def needs_probe(self, key: str) -> bool:
+        """Whether a key the answers do not know must be handed to the probe (see the module docstring)."""
+        asked = self._asked.get(key)
+        return asked is None or self._state.clock() - asked > _ASK_AGAIN_S
+
+    def answered(self, key: str) -> None:
+        if self._asked:
+            self._asked.pop(key, None)
+
+    def probe_prefixes(self, chains: Sequence[Sequence[str]]) -> None:
+        """Queue chains of keys for the probe. A chain is the unknown keys of one request (and KV-cache
+        group) in token order: a request can only use the chunks before its first miss, so when probing by
+        GET the first key of every chain is asked first, and a chain stops at its first miss (the keys after
+        it stay unanswered, asked again if anyone still wants them)."""
+        lists = [list(chain) for chain in chains if chain]
+        if lists:
+            now = self._state.clock()
+            self._asked.update((key, now) for chain in lists for key in chain)
+            self._requests.put(lists)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._probing) + self._requests.qsize()
+
+    def end_of_step(self) -> None:
+        """Once every probe has ended, what is still unanswered may be asked again."""
+        if self._asked and not self.in_flight:
+            self._asked.clear()
+
+    # -- the probe thread --------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                chains = self._requests.get(timeout=_IDLE_S)
+            except queue.Empty:
+                self._on_idle()
+                continue
+            pending = sum(map(len, chains))
+            while pending < _MAX_PENDING_PROBES:
+                try:
+                    more = self._requests.get_nowait()
+                except queue.Empty:
+                    break
+                chains.extend(more)
+                pending += sum(map(len, more))
+            chains = self._unanswered(chains)
+            self._probing.update(key for chain in chains for key in chain)
+            try:
+                self._answer(chains)
+            except Exception:  # a probe must never kill the thread; unanswered keys are asked again
+                log.exception("probe of %d chunks failed", len(self._probing))
+            finally:
+                self._probing.clear()
+            self._on_idle()
+
+    def probe_store(self, keys: Sequence[str]) -> list[bool]:
+        """Ask the object store now (HEADs) whether ``keys`` exist; the answers are recorded."""
+        state = self._state
+        if state.store is None or not state.store_available:
+            return [False] * len(keys)
+        try:
+            found = state.store.exists_many(keys)
+        except StoreError as exc:
+            state.breaker.failed("exists", exc)
+            return [False] * len(keys)
+        state.breaker.succeeded()
+        for key, present in zip(keys, found, strict=True):
+            state.answers.set(key, Presence.REMOTE if present else Presence.MISS)
+        return found
+
+    def _unanswered(self, chains: list[list[str]]) -> list[list[str]]:
+        """The chains with answered keys left out, each key in one chain only (its first)."""
+        seen: set[str] = set()
+        out: list[list[str]] = []
+        answers = self._state.answers
+        for chain in chains:
+            left = [k for k in dict.fromkeys(chain) if k not in seen and answers.get(k) is None]
+            seen.update(left)
+            if left:
+                out.append(left)
+        return out
+
+    def _answer(self, chains: list[list[str]]) -> None:
+        state = self._state
+        keys = [key for chain in chains for key in chain]
+        here = state.cache.contains_many(keys) if state.cache is not None else [False] * len(keys)
+        local = {key for key, cached in zip(keys, here, strict=True) if cached}
+        for key in local:
+            state.answers.set(key, Presence.LOCAL)
+        elsewhere = [chain for chain in ([k for k in c if k not in local] for c in chains) if chain]
+        if not elsewhere:
+            return
+        if not state.store_available:
+            for chain in elsewhere:
+                for key in chain:
+                    state.answers.set(key, Presence.MISS)
+        elif self._prefetched.enabled:
+            self._prefetch(elsewhere)
+        else:
+            self.probe_store([key for chain in elsewhere for key in chain])
+
+    def _prefetch(self, chains: list[list[str]]) -> None:
+        """Probe by GET: hits are verified as they arrive and wait in the prefetch buffer for their load.
+
+        Keys are asked rank by rank over the chains (every chain's first key, then every second key...) and
+        each answer is published as soon as its GET returns, so vLLM sees a growing prefix of hits and
+        starts loading it while the rest is still on the wire."""
+        state = self._state
+        store = state.store
+        assert store is not None
+        order = [
+            (c, rank)
+            for rank in range(max(map(len, chains)))
+            for c, chain in enumerate(chains)
+            if rank < len(chain)
+        ]
+        first_miss = [len(chain) for chain in chains]
+
+        def fetch(at: tuple[int, int]) -> None:
+            c, rank = at
+            if rank > first_miss[c] or not state.store_available:  # past a miss: this request cannot use it
+                return
+            fetched = io.fetch(store, chains[c][rank])
+            if not fetched.good:
+                first_miss[c] = min(first_miss[c], rank)
+                state.object_miss(fetched, loading=False)
+                return
+            self._prefetched.offer(fetched)  # no room: still a hit, the load GETs it again
+            state.answers.set(fetched.key, Presence.REMOTE)
+
+        try:
+            state.threads.map(state.threads.io, state.threads.io_workers, fetch, order)
+            state.breaker.succeeded()
+        except StoreError as exc:  # keys answered before the failure stand; the rest are asked again
+            state.breaker.failed("get", exc)
