@@ -51,7 +51,10 @@ from kvstore.errors import CacheClosed, CacheError
 SCHEMA_VERSION = 2
 STATE_READY = 1
 MAX_KEY_BYTES = 500  # LMDB's key limit is 511 bytes and LRU keys carry an 8-byte prefix
-DEFAULT_MAP_SIZE = 64 << 30  # sparse: LMDB only grows the file as pages are used
+DEFAULT_MAP_SIZE = 64 << 30
+# Eviction passes over at most this many chunks that still wait for upload to find uploaded ones: bounded
+# work per admission, and under a long outage (everything waits) plain LRU order again.
+_UPLOAD_LOOKAHEAD = 256  # sparse: LMDB only grows the file as pages are used
 INDEX_DIR = "index"
 
 _ENTRY = struct.Struct("<Q16sQ8sBBQQ")
@@ -453,7 +456,10 @@ class CacheIndex:
         return int(_U64.unpack(value)[0])
 
     def _pick_victims(self, txn: lmdb.Transaction[bytes], s: _Shared, need: int) -> list[tuple[bytes, Entry]]:
+        """Least recently used first, but an entry still waiting for upload (its only copy) is passed over
+        for an uploaded one within the next ``_UPLOAD_LOOKAHEAD`` records; past that, it goes too."""
         victims: list[tuple[bytes, Entry]] = []
+        passed_over: list[tuple[bytes, Entry]] = []
         stale: list[bytes] = []
         freed = 0
         for lk in txn.cursor(db=s.lru).iternext(values=False):
@@ -463,10 +469,18 @@ class CacheIndex:
             if entry is None or entry.last_access_ns != _TS.unpack(lk[:8])[0] or txn.get(vk, db=s.pins):
                 stale.append(lk)  # self-healing: a record that no longer matches an evictable entry
                 continue
+            if entry.pending_upload and len(passed_over) < _UPLOAD_LOOKAHEAD:
+                passed_over.append((vk, entry))
+                continue
             victims.append((vk, entry))
             freed += entry.size
             if freed >= need:
                 break
+        for vk, entry in passed_over:  # not enough without them: the oldest of them go after all
+            if freed >= need:
+                break
+            victims.append((vk, entry))
+            freed += entry.size
         for lk in stale:
             txn.delete(lk, db=s.lru)
         return victims

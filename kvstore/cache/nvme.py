@@ -480,6 +480,7 @@ class NVMeCache:
             self.flush()
         finally:
             self._closed = True
+            self._files.close()
             self._index.close()
 
     def __enter__(self) -> NVMeCache:

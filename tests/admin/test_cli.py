@@ -15,7 +15,6 @@ from typing import Any
 import httpx
 
 from kvstore.cache import NVMeCache
-from kvstore.chunk import encode
 
 KVSTORE = [sys.executable, "-m", "kvstore.admin.cli"]
 
@@ -80,11 +79,11 @@ def test_serve_starts_the_embedded_s3_server_and_stops_it(tmp_path: Path) -> Non
 def test_fsck_exit_codes(tmp_path: Path) -> None:
     cache_dir = tmp_path / "cache"
     with NVMeCache(cache_dir, 1 << 20) as cache:
-        cache.put("a/1.bin", encode(b"x" * 1000))
+        cache.put("a/1.bin", b"x" * 5000)
         located = cache.locate("a/1.bin")
         assert located is not None
     with open(located.path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
+        f.seek(4096)  # the payload's first byte
         f.write(b"y")
     env = _env(tmp_path, KVSTORE_CACHE_DIR=str(cache_dir), KVSTORE_CACHE_BYTES=str(1 << 20))
     check = subprocess.run([*KVSTORE, "fsck"], env=env, capture_output=True, text=True)

@@ -76,12 +76,27 @@ def test_leftovers_of_killed_writers_are_reclaimed_at_open(cache_dir: Path) -> N
     """A writer killed mid-write leaves a tmp file that counts against no budget: the next open removes it,
     and leaves the tmp files of writers that are still alive."""
     NVMeCache(cache_dir, CRASH_BUDGET).close()
-    tmp = cache_dir / "tmp"
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
-    dead_pid = int(dead.stdout)
-    (tmp / f"{dead_pid}.{'a' * 32}.{'0' * 16}.tmp").write_bytes(b"x" * 8192)
-    (tmp / f"{dead_pid}.probe-abcd.tmp").write_bytes(b"probe")
-    alive = tmp / f"{os.getppid()}.{'b' * 32}.{'1' * 16}.tmp"
+    child = subprocess.Popen(
+        [sys.executable, str(WORKER), str(cache_dir), "7", str(CRASH_BUDGET)],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == b"ready"
+    time.sleep(0.3)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    child.stdout.close()
+    folder = next((cache_dir / "chunks").iterdir())
+    planted = folder / f".{child.pid}.{'a' * 32}.{'0' * 16}.tmp"  # what a write cut short leaves
+    planted.write_bytes(b"x" * 8192)
+    alive = folder / f".{os.getpid()}.{'b' * 32}.{'1' * 16}.tmp"  # a live writer's, in flight
     alive.write_bytes(b"y" * 8192)
-    with NVMeCache(cache_dir, CRASH_BUDGET):
-        assert sorted(p.name for p in tmp.iterdir()) == [alive.name]
+    assert any((cache_dir / "writers").iterdir()), "the killed writer's marker is left behind"
+    with NVMeCache(cache_dir, CRASH_BUDGET) as reopened:
+        assert not planted.exists() and alive.exists()
+        leftovers = [f for f in (cache_dir / "chunks").rglob("*.tmp") if f != alive]
+        assert leftovers == []
+        assert reopened.fsck(orphan_min_age_s=60).clean  # the live writer's file is young
+    alive.unlink()
+    assert not list((cache_dir / "writers").iterdir()), "closed writers leave no marker"

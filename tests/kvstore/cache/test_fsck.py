@@ -84,14 +84,14 @@ def test_orphans_missing_and_drift(cache_dir: Path) -> None:
         stray = cache_dir / "chunks" / "ab" / "stray-file"
         stray.parent.mkdir(exist_ok=True)
         stray.write_bytes(b"x")
-        (cache_dir / "tmp" / "deadbeef.0011223344556677.tmp").write_bytes(b"partial")
+        (cache_dir / "chunks" / "ab" / ".1.deadbeef.0011223344556677.tmp").write_bytes(b"partial")
         gone = key_for(4)
         os.unlink(path_of(cache, gone))
         s = cache._index._db()
         with s.env.begin(write=True) as txn:
             txn.put(b"used_bytes", struct.pack("<Q", 1), db=s.meta)
         report = cache.fsck()
-        assert report.orphan_files == ("chunks/ab/stray-file", "tmp/deadbeef.0011223344556677.tmp")
+        assert report.orphan_files == ("chunks/ab/.1.deadbeef.0011223344556677.tmp", "chunks/ab/stray-file")
         assert report.missing_files == (gone,)
         assert report.recorded_used_bytes == 1 and report.usage_drift > 0
         assert report.problems == 4
@@ -106,10 +106,12 @@ def test_orphans_missing_and_drift(cache_dir: Path) -> None:
 
 def test_young_orphans_are_spared(cache_dir: Path) -> None:
     with filled(cache_dir, 1) as cache:
-        (cache_dir / "tmp" / "in-flight.tmp").write_bytes(b"...")
+        in_flight = cache_dir / "chunks" / "ab" / ".1.in-flight.tmp"
+        in_flight.parent.mkdir(exist_ok=True)
+        in_flight.write_bytes(b"...")
         assert cache.fsck(fix=True, orphan_min_age_s=3600).clean
-        assert (cache_dir / "tmp" / "in-flight.tmp").exists()
-        assert cache.fsck().orphan_files == ("tmp/in-flight.tmp",)
+        assert in_flight.exists()
+        assert cache.fsck().orphan_files == ("chunks/ab/.1.in-flight.tmp",)
 
 
 def test_lru_drift_is_repaired(cache_dir: Path) -> None:

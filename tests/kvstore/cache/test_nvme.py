@@ -92,7 +92,7 @@ def test_put_many_admits_a_batch_in_one_go(cache_dir: Path) -> None:
         assert [cache.contains(k(i)) for i in range(10, 15)] == [False, False, True, True, True]
         assert cache.usage().used_bytes == 3 * U
         # No file is left behind for anything that is not indexed.
-        files = {str(f) for f in cache_dir.rglob("*") if f.is_file() and f.suffix not in (".mdb", ".json")}
+        files = {str(f) for f in (cache_dir / "chunks").rglob("*") if f.is_file()}
         assert files == {c.path for c in cache.locate_many([k(i) for i in range(12, 15)]) if c}
 
 
@@ -105,7 +105,7 @@ def test_blob_larger_than_budget_is_not_admitted(cache: NVMeCache) -> None:
     assert not cache.put(k(1), b"x" * (10 * U - HEADER_BLOCK + 1))
     assert cache.put(k(1), b"x" * (10 * U - HEADER_BLOCK))
     assert cache.usage().used_bytes == 10 * U
-    assert not [p for p in Path(cache.directory, "tmp").iterdir()], "nothing written for the refused one"
+    assert not list(Path(cache.directory).rglob("*.tmp")), "nothing written for the refused one"
 
 
 def test_locate(cache: NVMeCache) -> None:
@@ -437,7 +437,7 @@ def test_o_direct_falls_back_to_buffered_io_where_refused(
         assert cache.read_into(loc, memoryview(out)).ok and bytes(out) == raw
         assert cache.get(k(1)) == raw
         assert cache.fsck().clean
-        assert not list((no_direct_io_dir / "tmp").iterdir()), "the probe leaves nothing behind"
+        assert not list(no_direct_io_dir.rglob("*.tmp")), "the probe leaves nothing behind"
 
 
 def test_direct_io_can_be_turned_off(cache_dir: Path) -> None:
@@ -495,12 +495,17 @@ def test_the_upload_journal_survives_a_restart(cache_dir: Path) -> None:
         assert located is not None and len(cache.read_stored(located)) == U
 
 
-def test_evicting_a_chunk_before_its_upload_is_counted(cache_dir: Path) -> None:
+def test_eviction_takes_uploaded_chunks_first_and_counts_the_others(cache_dir: Path) -> None:
     with NVMeCache(cache_dir, 2 * U) as cache:
-        cache.put(k(0), blob(0), pending_upload=True)
+        cache.put(k(0), blob(0), pending_upload=True)  # the oldest, and its only copy
         cache.put(k(1), blob(1))
-        cache.put(k(2), blob(2))  # evicts k(0), never uploaded
-        cache.put(k(3), blob(3))  # evicts k(1), uploaded
+        cache.put(k(2), blob(2))
+        assert cache.contains_many([k(0), k(1)]) == [True, False], "the uploaded chunk goes first"
+        cache.put(k(3), blob(3), pending_upload=True)
+        assert cache.contains_many([k(0), k(2)]) == [True, False]
+        assert cache.take_lost_uploads() == {}
+        cache.put(k(4), blob(4), pending_upload=True)  # nothing uploaded is left: the oldest goes
+        assert not cache.contains(k(0))
         assert cache.take_lost_uploads() == {"evicted": 1}
         assert cache.take_lost_uploads() == {}
-        assert cache.backlog().chunks == 0
+        assert cache.backlog().chunks == 2

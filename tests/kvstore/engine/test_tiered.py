@@ -534,9 +534,9 @@ def test_a_chunk_evicted_before_its_upload_is_counted(tmp_path: Path, metrics: E
 def test_an_nvme_write_failure_is_a_write_failure(tmp_path: Path, metrics: EngineMetrics) -> None:
     with NVMeCache(tmp_path / "nvme", budget_bytes=10**8) as cache:
         engine = make_engine(MemoryStore(), cache, metrics)
-        tmp = tmp_path / "nvme" / "tmp"
-        shutil.rmtree(tmp)
-        tmp.write_bytes(b"not a directory")  # every chunk file write now fails
+        chunks = tmp_path / "nvme" / "chunks"
+        shutil.rmtree(chunks)
+        chunks.write_bytes(b"not a directory")  # every chunk file write now fails
         outcome = engine.store_many([(k, payload(i)) for i, k in enumerate(keys(3, "write-fail"))])
         assert outcome.failed == 3 and outcome.kept == 0
         assert sample(metrics, "kvstore:write_failures_total", tier="nvme") == 3
