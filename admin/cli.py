@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +37,8 @@ pin_app = typer.Typer(
     no_args_is_help=True, help="Pin manifests in the bucket: nodes and GC keep their chunks."
 )
 app.add_typer(pin_app, name="pin")
-console = Console()
+# Piped into a file, tables keep whole cells: rich would otherwise fit them to 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
 
 
@@ -384,63 +386,185 @@ def bench_gc(
 
 @bench_app.command("tiers")
 def bench_tiers(
-    sizes: Annotated[str, typer.Option(help="Chunk sizes in KiB, comma separated")] = "256,2048,16384",
-    total_mib: Annotated[int, typer.Option(help="Data per chunk size, MiB")] = 256,
-    lookup_keys: Annotated[int, typer.Option(help="Index-resident keys for the lookup test")] = 100_000,
-    workers: Annotated[int, typer.Option(help="Parallel loads (engine and baselines alike)")] = 8,
-    repeats: Annotated[int, typer.Option(help="Best of N runs")] = 3,
+    sizes: Annotated[str, typer.Option(help="Chunk sizes in KiB, comma separated")] = "256,2048",
+    total_mib: Annotated[int, typer.Option(help="Data stored and loaded per chunk size, MiB")] = 256,
+    object_mib: Annotated[int, typer.Option(help="Data a new node loads from the S3 store, MiB")] = 256,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds (the best of each side counts)")] = 2,
+    chunks_per_job: Annotated[int, typer.Option(help="Chunks per vLLM store/load job")] = 16,
+    workers: Annotated[int, typer.Option(help="Threads of the raw GET baseline (our io_workers)")] = 16,
     output: Annotated[Path, typer.Option(help="JSON results file")] = Path("bench-results/tiers.json"),
 ) -> None:
-    """Store and load chunks through the engine beside raw file reads and raw GETs of the same data."""
-    from kvstore.bench.tiers import run_tiers_bench
+    """Our tier against vLLM's fs tier through vLLM's tier API: store and cold load (page cache dropped),
+    the object path of a new node against raw GETs, the raw disk, and the codecs."""
+    import time
 
-    with _store(_settings(), "benchmark failed") as store:
-        store.check()
+    from kvstore.connector.bench_tiers import run_tiers_bench
+
+    from kvstore.bench.codecs import bench_codecs
+    from kvstore.runtime import EMBEDDED_BUCKET, open_object_store
+
+    settings = _settings()
+    run_prefix = f"bench-tiers-{time.time_ns()}"
+    store, server = open_object_store(settings, subprefix=run_prefix)
+    if server is not None:
+        store_url = f"s3://{EMBEDDED_BUCKET}/{run_prefix}"
+        s3 = {"endpoint": server.endpoint, "access_key": server.access_key, "secret_key": server.secret_key}
+    else:
+        store_url = f"{settings.local_store_url.rstrip('/')}/{run_prefix}"
+        s3 = {
+            "endpoint": settings.s3_endpoint or "",
+            "access_key": settings.access_key.get_secret_value() if settings.access_key else "",
+            "secret_key": settings.secret_key.get_secret_value() if settings.secret_key else "",
+        }
+    is_s3 = store_url.startswith("s3://")
+    if is_s3:
+        bucket, _, prefix = store_url[len("s3://") :].partition("/")
+        s3.update(bucket=bucket, prefix=prefix)
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    if server is not None:  # the tier reads its credentials like any vLLM process: from the environment
+        os.environ.update(AWS_ACCESS_KEY_ID=server.access_key, AWS_SECRET_ACCESS_KEY=server.secret_key)
+    try:
         report = run_tiers_bench(
-            store,
             sizes=[int(s) * 1024 for s in sizes.split(",")],
             total_bytes=total_mib << 20,
-            lookup_keys=lookup_keys,
+            rounds=rounds,
+            chunks_per_job=chunks_per_job,
+            object_store_url=store_url if is_s3 else None,
+            s3=s3 if is_s3 else None,
+            object_bytes=object_mib << 20,
             workers=workers,
-            repeats=repeats,
             progress=lambda msg: console.print(f"[dim]... {msg}[/dim]"),
         )
-    table = Table(title=f"kvstore bench tiers (store: {store.url}, {workers} workers, best of {repeats})")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        with contextlib.suppress(KVStoreError):
+            store.delete_many([info.key for info in store.list()])
+        store.close()
+        if server is not None:
+            server.stop()
+    codecs = bench_codecs()
+    disk = report.disk
+    if disk is not None:
+        console.print(
+            f"raw disk (O_DIRECT dd, 2 MiB blocks): write {disk.dd_write_gb_s:.2f} GB/s, "
+            f"read {disk.dd_read_gb_s:.2f} GB/s"
+        )
+    table = Table(
+        title=f"store and cold load: ours vs vLLM fs, {report.chunks_per_job} chunks per job, "
+        f"best of {rounds} interleaved rounds (GB/s)"
+    )
     for col in (
         "chunk",
         "n",
-        "store MB/s",
-        "NVMe load MB/s",
-        "raw read MB/s",
-        "NVMe/raw",
-        "object load MB/s",
-        "raw GET MB/s",
-        "object/raw",
+        "store",
+        "fs store",
+        "store/fs",
+        "cold load",
+        "fs cold load",
+        "load/fs",
+        "upload",
     ):
         table.add_column(col, justify="right")
     for r in report.sizes:
         table.add_row(
             f"{r.chunk_bytes // 1024} KiB",
             str(r.chunks),
-            f"{r.store_mb_s:.0f}",
-            f"{r.nvme_load_mb_s:.0f}",
-            f"{r.raw_file_read_mb_s:.0f}",
-            f"{r.nvme_vs_raw:.2f}x",
-            f"{r.object_load_mb_s:.0f}",
-            f"{r.raw_get_mb_s:.0f}",
-            f"{r.object_vs_raw:.2f}x",
+            f"{r.store_gb_s:.2f}",
+            f"{r.fs_store_gb_s:.2f}",
+            f"{r.store_vs_fs:.2f}x",
+            f"{r.cold_load_gb_s:.2f}",
+            f"{r.fs_cold_load_gb_s:.2f}",
+            f"{r.cold_load_vs_fs:.2f}x",
+            f"{r.upload_gb_s:.2f}",
         )
     console.print(table)
-    console.print(
-        f"lookup of {report.lookup_keys:,} NVMe-resident keys: engine {report.lookup_us_per_key:.2f} us/key,"
-        f" bare index {report.index_contains_us_per_key:.2f} us/key"
+    if report.object_path:
+        objects = Table(title="object path of a new node: first lookup to last byte loaded (GB/s)")
+        for col in ("chunk", "n", "ours, end to end", "raw parallel GET", "ours/raw"):
+            objects.add_column(col, justify="right")
+        for o in report.object_path:
+            objects.add_row(
+                f"{o.chunk_bytes // 1024} KiB",
+                str(o.chunks),
+                f"{o.end_to_end_gb_s:.2f}",
+                f"{o.raw_get_gb_s:.2f}",
+                f"{o.vs_raw:.2f}x",
+            )
+        console.print(objects)
+    codec_table = Table(title="codecs on 2 MiB bf16-like chunks")
+    for col in ("codec", "ratio", "encode GB/s", "decode+verify GB/s"):
+        codec_table.add_column(col, justify="right")
+    for c in codecs:
+        codec_table.add_row(c.codec, f"{c.ratio:.3f}", f"{c.encode_gb_s:.2f}", f"{c.decode_gb_s:.2f}")
+    console.print(codec_table)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    result = json.loads(report.to_json())
+    result["codecs"] = [vars(c) for c in codecs]
+    output.write_text(json.dumps(result, indent=2))
+    console.print(f"results written to {output}")
+
+
+@bench_app.command("offered")
+def bench_offered(
+    rates: Annotated[str, typer.Option(help="Offered store rates, GB/s, comma separated")] = "0.25,0.5,1,2",
+    seconds: Annotated[float, typer.Option(help="How long each rate is offered")] = 30.0,
+    chunk_kib: Annotated[int, typer.Option(help="Chunk size, KiB")] = 2048,
+    primary_mib: Annotated[int, typer.Option(help="Primary-tier rows for stores in flight, MiB")] = 1024,
+    memory_gib: Annotated[
+        float, typer.Option(help="GiB each tier stores for the memory figures (0: skip)")
+    ] = 4,
+    output: Annotated[Path, typer.Option(help="JSON results file")] = Path("bench-results/offered.json"),
+) -> None:
+    """Stores offered at fixed rates through vLLM's tier API, ours and vLLM's fs tier: what is persisted,
+    what is dropped and why, the scheduler's time per step; then page cache and RSS growth."""
+    from kvstore.connector.bench_offered import run_offered_bench
+
+    _finite_seconds("--seconds", seconds, positive=True)
+    chunk = chunk_kib * 1024
+    report = run_offered_bench(
+        chunk_bytes=chunk,
+        rows=max(16, (primary_mib << 20) // chunk),
+        rates=[float(r) * 1e9 for r in rates.split(",") if r.strip()],
+        seconds=seconds,
+        memory_bytes=int(memory_gib * (1 << 30)),
+        progress=lambda msg: console.print(f"[dim]... {msg}[/dim]"),
     )
-    codecs = Table(title=f"codecs on 2 MiB chunks ({report.data})")
-    for col in ("codec", "ratio", "encode MB/s", "decode+verify MB/s"):
-        codecs.add_column(col, justify="right")
-    for c in report.codecs:
-        codecs.add_row(c.codec, f"{c.ratio:.3f}", f"{c.encode_mb_s:.0f}", f"{c.decode_mb_s:.0f}")
-    console.print(codecs)
+    console.print(f"raw disk (O_DIRECT dd write, 2 MiB blocks): {report.dd_write_gb_s:.2f} GB/s")
+    table = Table(title=f"stores offered at a fixed rate, {chunk_kib} KiB chunks, {report.rows} primary rows")
+    for col in (
+        "tier",
+        "offered GB/s",
+        "persisted NVMe",
+        "object store at end",
+        "after drain",
+        "no free row",
+        "failed",
+        "uploads lost",
+        "step ms mean / p99",
+    ):
+        table.add_column(col, justify="right")
+    for r in report.runs:
+        table.add_row(
+            r.tier,
+            f"{r.rate_gb_s:.2f}",
+            f"{r.persisted_nvme:.1%}",
+            "" if r.persisted_object_at_end is None else f"{r.persisted_object_at_end:.1%}",
+            "" if r.persisted_object_after_drain is None else f"{r.persisted_object_after_drain:.1%}",
+            str(r.dropped_primary_full),
+            str(r.failed_jobs_chunks),
+            str(r.uploads_lost),
+            f"{r.step_ms_mean:.2f} / {r.step_ms_p99:.2f}",
+        )
+    console.print(table)
+    for m in report.memory:
+        console.print(
+            f"{m.tier}: {m.stored_gib:.1f} GiB stored, page cache +{m.page_cache_growth_mib:.0f} MiB, "
+            f"RSS +{m.rss_growth_mib:.0f} MiB"
+        )
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(report.to_json())
     console.print(f"results written to {output}")

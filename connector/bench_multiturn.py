@@ -49,9 +49,12 @@ __all__ = [
     "write_outputs",
 ]
 
-METHODS = ("none", "cpu", "cpu+fs", "cpu+ours")
+# cpu+ours: our tier on the S3 store (a local S3 server shares the cores); cpu+ours-file: on a file:// store
+# on the same disk, so only the tier itself competes with the engine for the CPU.
+METHODS = ("none", "cpu", "cpu+fs", "cpu+ours", "cpu+ours-file")
 _SOURCES = ("device", "host", "disk")
-_STORAGE_METHODS = ("cpu+fs", "cpu+ours")
+_STORAGE_METHODS = ("cpu+fs", "cpu+ours", "cpu+ours-file")
+_OURS = ("cpu+ours", "cpu+ours-file")
 
 
 @dataclass(frozen=True)
@@ -146,14 +149,23 @@ class MultiturnReport:
         by = {(p.method, p.conversations): p for p in self.points}
         out = []
         for n in sorted({p.conversations for p in self.points}):
-            ours = by.get(("cpu+ours", n))
-            if ours is None or self.regime(n) != "beyond":
+            if self.regime(n) != "beyond":
                 continue
-            row: dict[str, Any] = {"conversations": n, "storage_hit_rate": ours.storage_hit_rate}
-            for base in ("none", "cpu+fs"):
-                other = by.get((base, n))
-                row[f"vs_{base}"] = ours.prompt_tokens_per_s / other.prompt_tokens_per_s if other else None
-            out.append(row)
+            for method in _OURS:
+                ours = by.get((method, n))
+                if ours is None:
+                    continue
+                row: dict[str, Any] = {
+                    "method": method,
+                    "conversations": n,
+                    "storage_hit_rate": ours.storage_hit_rate,
+                }
+                for base in ("none", "cpu+fs"):
+                    other = by.get((base, n))
+                    row[f"vs_{base}"] = (
+                        ours.prompt_tokens_per_s / other.prompt_tokens_per_s if other else None
+                    )
+                out.append(row)
         return out
 
 
@@ -254,14 +266,16 @@ def _method_config(
         return sizing.tiering_config(), {}
     if method == "cpu+fs":
         return sizing.tiering_config({"type": "fs", "root_dir": str(root / "fs")}), {}
-    assert store is not None
     ours: dict[str, Any] = {
         "type": "KVStoreTier",
         "module_path": "kvstore.connector.tier",
-        "store_url": f"{store.store_url.rstrip('/')}/multiturn-{time.time_ns()}",
-        "cache_dir": str(root / "nvme"),
+        "cache_dir": str(root / f"nvme-{method.replace('+', '-')}"),
         "access_records": False,
     }
+    if method == "cpu+ours-file":
+        return sizing.tiering_config({**ours, "store_url": (root / "file-store").as_uri()}), {}
+    assert store is not None
+    ours["store_url"] = f"{store.store_url.rstrip('/')}/multiturn-{time.time_ns()}"
     if store.endpoint:
         ours["s3_endpoint"] = store.endpoint
     return sizing.tiering_config(ours), dict(store.env)
@@ -317,7 +331,7 @@ def _run_point(
         storage_hit_rate=(
             served["disk"] / beyond_cpu if beyond_cpu > 0 and method in _STORAGE_METHODS else None
         ),
-        kvstore_chunks=chunks if method == "cpu+ours" else {},
+        kvstore_chunks=chunks if method in _OURS else {},
         cpu_s=dict(sorted(((k, v) for k, v in cpu.items() if v >= 0.05), key=lambda kv: -kv[1])),
     )
 
