@@ -92,6 +92,9 @@ _TIER_OPTIONS = {
 }
 
 
+_CHUNK_KEY_MEMO = 262_144
+
+
 class UnknownChunk(NamedTuple):
     """A chunk the scheduler looked up that the tier must probe."""
 
@@ -186,6 +189,7 @@ class KVStoreTier(SecondaryTierManager):
             batch_chunks=int(options.get("job_batch_chunks", 256)),
         )
         self._unprobed: list[UnknownChunk] = []
+        self._chunk_keys: dict[bytes, str] = {}  # offload key -> chunk key (scheduler thread)
         self._stats = BackgroundStats(
             TierStats(self._engine.metrics), interval_s=float(options.get("stats_interval_s", 0.5))
         )
@@ -219,7 +223,11 @@ class KVStoreTier(SecondaryTierManager):
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        chunk = self.namespace.chunk_key(key)
+        chunk = self._chunk_keys.get(key)
+        if chunk is None:  # a waiting request's keys are looked up on every step: name each once
+            if len(self._chunk_keys) >= _CHUNK_KEY_MEMO:
+                self._chunk_keys.clear()
+            chunk = self._chunk_keys[key] = self.namespace.chunk_key(key)
         found = self._engine.lookup_cached(chunk)
         if found is Presence.PENDING:
             # Probed as one batch at the end of the step, per request and group in lookup order.

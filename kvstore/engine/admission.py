@@ -28,7 +28,7 @@ class AdmissionQueue:
         *,
         budget_bytes: int,
         quiet_s: float = 0.05,
-        max_delay_s: float = 1.0,
+        max_delay_s: float = 10.0,
     ) -> None:
         self._write = write
         self._activity = activity

@@ -138,8 +138,6 @@ class TieredStore:
                 )
                 self.threads.service("kvstore-journal", self._uploader.run)
         self.threads.service("kvstore-probe", self._prober.run)
-        self._m_queries = {t: self.metrics.queries.labels(t) for t in ("nvme", "object")}
-        self._m_hits = {t: self.metrics.hits.labels(t) for t in ("nvme", "object")}
 
     # ---------------------------------------------------------------- lookup
 
@@ -213,15 +211,16 @@ class TieredStore:
     def _count(self, answer: Presence) -> None:
         if answer is Presence.PENDING:
             return
+        queries, hits = self.metrics.queries, self.metrics.hits
         if self.cache is not None:
-            self._m_queries["nvme"].inc()
+            queries.inc("nvme")
             if answer is Presence.LOCAL:
-                self._m_hits["nvme"].inc()
+                hits.inc("nvme")
                 return
         if self.store is not None:
-            self._m_queries["object"].inc()
+            queries.inc("object")
             if answer is Presence.REMOTE:
-                self._m_hits["object"].inc()
+                hits.inc("object")
 
     # ------------------------------------------------------- loads and stores
 
