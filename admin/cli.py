@@ -39,7 +39,7 @@ pin_app = typer.Typer(
 app.add_typer(pin_app, name="pin")
 # Piped into a file, tables keep whole cells: rich would otherwise fit them to 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # messages stay one line (scripts grep them)
 
 
 def _settings(**overrides: object) -> Settings:
@@ -168,10 +168,24 @@ def fsck(
     fix: Annotated[bool, typer.Option("--fix", help="Repair what is found")] = False,
     cache_dir: Annotated[Path | None, typer.Option(help="Cache directory (default from settings)")] = None,
 ) -> None:
-    """Reconcile the NVMe cache's index with its files: orphans, missing files, bad checksums."""
+    """Reconcile the NVMe cache's index with its files: orphans, missing files, bad checksums. With --fix, a
+    damaged index is rebuilt from the chunk files (each names its key), and it works on a full disk."""
+    from kvstore.cache import rebuild_index
+
     settings = _settings(cache_dir=cache_dir)
     try:
-        with NVMeCache(settings.cache_dir, settings.cache_bytes) as cache:
+        try:
+            cache = NVMeCache(settings.cache_dir, settings.cache_bytes, repair=True)
+        except KVStoreError as exc:
+            if not (fix and "damaged" in str(exc)):
+                raise
+            rebuilt = rebuild_index(settings.cache_dir)
+            err.print(
+                f"rebuilt the damaged index from {rebuilt.entries} chunk files "
+                f"({rebuilt.skipped_files} unusable files removed); the old index is in {rebuilt.kept_aside}"
+            )
+            cache = NVMeCache(settings.cache_dir, settings.cache_bytes, repair=True)
+        with cache:
             report = cache.fsck(fix=fix)
     except KVStoreError as exc:
         err.print(f"[red]cannot open cache:[/red] {exc}")
@@ -511,7 +525,7 @@ def bench_tiers(
 @bench_app.command("offered")
 def bench_offered(
     rates: Annotated[str, typer.Option(help="Offered store rates, GB/s, comma separated")] = "0.25,0.5,1,2",
-    seconds: Annotated[float, typer.Option(help="How long each rate is offered")] = 30.0,
+    seconds: Annotated[float, typer.Option(help="How long each rate is offered")] = 10.0,
     chunk_kib: Annotated[int, typer.Option(help="Chunk size, KiB")] = 2048,
     primary_mib: Annotated[int, typer.Option(help="Primary-tier rows for stores in flight, MiB")] = 1024,
     memory_gib: Annotated[

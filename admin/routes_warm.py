@@ -148,6 +148,7 @@ def start_warm(body: WarmIn, request: Request) -> dict[str, Any]:
                 timeout_s=body.timeout_s,
                 poll_s=body.poll_s,
                 client=http,
+                cancel=job.cancel,
             )
             return report.as_dict()
 

@@ -30,6 +30,8 @@ from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob
 
 _STEP_S = 0.01
+_CACHE_BYTES = 16 << 30
+_DRAIN_S = 120.0  # how long the journal may take to drain after the window (then what is in the store counts)
 
 
 @dataclass
@@ -155,7 +157,8 @@ def _one_run(
     if side == "fs":
         tier: SecondaryTierManager = fs_tier(primary, root)
     else:
-        tier = our_tier(primary, root, (root / "store").as_uri())
+        # A real node's budget: evictions happen, and what is evicted before its upload is counted.
+        tier = our_tier(primary, root, (root / "store").as_uri(), cache_bytes=_CACHE_BYTES)
     at_end = after_drain = None
     lost = 0
     try:
@@ -165,7 +168,7 @@ def _one_run(
         if side == "ours":
             at_end = _objects_in(root) / max(offered, 1)
             engine = tier.engine  # type: ignore[attr-defined]
-            engine.flush(300)
+            engine.flush(_DRAIN_S)
             after_drain = _objects_in(root) / max(offered, 1)
             lost_total = engine.metrics.registry.get_sample_value(
                 "kvstore:uploads_lost_total", {"reason": "evicted"}

@@ -123,16 +123,18 @@ def keys_for(tag: str, n: int) -> list[OffloadKey]:
 
 
 def our_tier(primary: Primary, root: Path, store_url: str, **options: Any) -> KVStoreTier:
+    settings: dict[str, Any] = {
+        "store_url": store_url,
+        "cache_dir": str(root / "nvme"),
+        "cache_bytes": 1 << 40,
+        "access_records": False,
+        "pin_sync_s": 0,
+    }
     return KVStoreTier(
         offloading_spec=standalone_spec(),
         primary_kv_view=primary.view,
         tier_type="KVStoreTier",
-        store_url=store_url,
-        cache_dir=str(root / "nvme"),
-        cache_bytes=1 << 40,
-        access_records=False,
-        pin_sync_s=0,
-        **options,
+        **{**settings, **options},
     )
 
 

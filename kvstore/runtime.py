@@ -66,6 +66,7 @@ def open_object_store(
         endpoint=server.endpoint,
         access_key=server.access_key,
         secret_key=server.secret_key,
+        session_token="",  # the caller's AWS_SESSION_TOKEN belongs to another account, not this server
     )
     return store, server
 

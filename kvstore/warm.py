@@ -18,6 +18,7 @@ both naming the URL. This module never imports vLLM or torch: it speaks HTTP (ht
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -84,12 +85,12 @@ class WarmReport:
         return out
 
 
-def prefetch(engine: TieredStore, keys: Sequence[str]) -> int:
+def prefetch(engine: TieredStore, keys: Sequence[str], *, cancel: threading.Event | None = None) -> int:
     """Bring `keys` from the object store into the engine's NVMe cache now; how many are cached after.
 
     Chunks are verified and admitted through the engine's one admission path (answers, events, metrics),
-    exactly like object hits of a load."""
-    return engine.warm(keys)
+    exactly like object hits of a load. With `cancel` set, it stops before the next batch."""
+    return engine.warm(keys, cancel=cancel)
 
 
 def request_prefill(
@@ -148,8 +149,8 @@ def _exists(node: Node, keys: list[str]) -> list[bool]:
         return [False] * len(keys)
 
 
-def _wait_for(node: Node, keys: list[str], poll_s: float) -> list[bool]:
-    """Poll the bucket until every key exists or `poll_s` passes; which keys exist at the end."""
+def _wait_for(node: Node, keys: list[str], poll_s: float, cancel: threading.Event | None) -> list[bool]:
+    """Poll the bucket until every key exists, `poll_s` passes or `cancel` is set; which keys exist."""
     deadline = time.monotonic() + poll_s
     present = [False] * len(keys)
     while True:
@@ -157,9 +158,12 @@ def _wait_for(node: Node, keys: list[str], poll_s: float) -> list[bool]:
         found = _exists(node, [keys[i] for i in todo])
         for i, ok in zip(todo, found, strict=True):
             present[i] = ok
-        if all(present) or time.monotonic() >= deadline:
+        if all(present) or time.monotonic() >= deadline or (cancel is not None and cancel.is_set()):
             return present
-        time.sleep(_POLL_INTERVAL_S)
+        if cancel is not None:
+            cancel.wait(_POLL_INTERVAL_S)
+        else:
+            time.sleep(_POLL_INTERVAL_S)
 
 
 def warm(
@@ -176,10 +180,12 @@ def warm(
     timeout_s: float = 120.0,
     poll_s: float = 15.0,
     client: httpx.Client | None = None,
+    cancel: threading.Event | None = None,
 ) -> WarmReport:
     """Make the chunks of `token_ids` present (see the module docstring). `namespace` is a `Namespace` or
     the id of one published in the bucket. `timeout_s` bounds the vLLM request, `poll_s` the wait for its
-    uploads. Raises `NamespaceNotFound`, `ConfigError` (no full chunk, bad URL), `VLLMUnreachable`,
+    uploads; `cancel`, once set, stops the prefetch before its next batch and the wait at its next poll.
+    Raises `NamespaceNotFound`, `ConfigError` (no full chunk, bad URL), `VLLMUnreachable`,
     `VLLMError`."""
     started = time.monotonic()
     ns = load_namespace(node.store, namespace) if isinstance(namespace, str) else namespace
@@ -202,13 +208,13 @@ def warm(
 
     prefetched = 0
     if prefetch and remote:
-        prefetched = _prefetch_checked(node, remote, missing, errors)
+        prefetched = _prefetch_checked(node, remote, missing, errors, cancel)
 
     produced = 0
     if missing and vllm_url is not None:
         used = request_prefill(vllm_url, token_ids, model=model, timeout_s=timeout_s, client=client)
         log.info("asked vLLM at %s (model %s) to prefill %d tokens", vllm_url, used, len(token_ids))
-        present = _wait_for(node, missing, poll_s)
+        present = _wait_for(node, missing, poll_s, cancel)
         produced = sum(present)
         missing = [k for k, ok in zip(missing, present, strict=True) if not ok]
         if missing:
@@ -239,9 +245,11 @@ def warm(
     )
 
 
-def _prefetch_checked(node: Node, remote: list[str], missing: list[str], errors: list[str]) -> int:
+def _prefetch_checked(
+    node: Node, remote: list[str], missing: list[str], errors: list[str], cancel: threading.Event | None
+) -> int:
     """Prefetch `remote`; keys that turn out gone from the bucket move to `missing` (and `remote` shrinks)."""
-    count = prefetch(node.engine, remote)
+    count = prefetch(node.engine, remote, cancel=cancel)
     if count == len(remote):
         return count
     cached = node.cache.contains_many(remote)

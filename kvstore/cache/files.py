@@ -113,7 +113,16 @@ def _address(buf: Buffer) -> int:
 class ChunkFiles:
     """Writes, reads and removes chunk files under one cache directory. Safe to share between threads."""
 
-    def __init__(self, directory: str | os.PathLike[str], *, fsync: bool = False, direct_io: bool = True):
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        fsync: bool = False,
+        direct_io: bool = True,
+        repair: bool = False,
+    ):
+        """``repair``: open to check and repair only (fsck), which must work on a full disk: no probe file is
+        written and reads are buffered."""
         self.root = Path(directory)
         self._root_str = str(self.root)
         self.fsync = fsync
@@ -126,7 +135,7 @@ class ChunkFiles:
         try:
             self._chunks.mkdir(parents=True, exist_ok=True)
             self._writers.mkdir(exist_ok=True)
-            self.direct_io = self._probe(direct_io)
+            self.direct_io = False if repair else self._probe(direct_io)
         except OSError as exc:
             raise CacheError(
                 f"cache directory {str(self.root)!r} is not usable: {exc.strerror or exc}"

@@ -146,15 +146,17 @@ def check(
     removed: list[str] = []
     lost = 0
     if fix:
-        # Index first, files second: no entry may point at a file we are about to delete.
+        # Orphans first: no entry names them, so removing them is safe at any point, and on a full disk it
+        # frees the room the index needs for the commits below.
+        for name in orphans:
+            files.unlink_path(files.root / name)
+        # Index, then files: no entry may point at a file we are about to delete.
         dropped = index.remove_many(missing + bad)
         removed = [key for key, _ in dropped]
         lost = sum(entry.pending_upload for _, entry in dropped)
         index.rebuild()
         for key, token in bad:
             files.unlink(key, token)
-        for name in orphans:
-            files.unlink_path(files.root / name)
 
     report = FsckReport(
         entries=count,
@@ -188,7 +190,7 @@ def rebuild_index(directory: str | os.PathLike[str], *, batch: int = 512) -> Reb
     aside = root / f"{INDEX_DIR}.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
     if old.exists():
         old.rename(aside)
-    files = ChunkFiles(root)
+    files = ChunkFiles(root, repair=True)
     index = CacheIndex(root)
     entries = nbytes = skipped = 0
     pending: list[tuple[str, Entry]] = []

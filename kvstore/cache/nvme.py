@@ -120,7 +120,8 @@ class NVMeCache:
     ``budget_bytes`` applies to the admissions this instance makes; give every process the same value.
     ``fsync`` makes each file durable before its index entry is committed (off by default: a file torn by a
     power loss fails its checksum on read and becomes a miss). ``index_sync`` is LMDB's own commit fsync.
-    ``direct_io`` uses O_DIRECT where the filesystem allows it. ``on_evict`` is called (outside any lock,
+    ``direct_io`` uses O_DIRECT where the filesystem allows it; ``repair`` opens for fsck only (it works on a
+    full disk: nothing is written to open it). ``on_evict`` is called (outside any lock,
     after the commit) with the keys each operation removed: the same keys ``take_evicted`` returns.
     """
 
@@ -132,6 +133,7 @@ class NVMeCache:
         fsync: bool = False,
         index_sync: bool = True,
         direct_io: bool = True,
+        repair: bool = False,
         map_size: int = DEFAULT_MAP_SIZE,
         max_readers: int = 512,
         touch_flush_interval_s: float = 1.0,
@@ -142,7 +144,7 @@ class NVMeCache:
             raise ConfigError(f"cache_bytes must be a positive number of bytes, got {budget_bytes!r}")
         self.directory = os.fspath(directory)
         self.budget_bytes = budget_bytes
-        self._files = ChunkFiles(directory, fsync=fsync, direct_io=direct_io)
+        self._files = ChunkFiles(directory, fsync=fsync, direct_io=direct_io, repair=repair)
         self._index = CacheIndex(directory, map_size=map_size, max_readers=max_readers, sync=index_sync)
         self._on_evict = on_evict
         self._touch_interval_ns = int(touch_flush_interval_s * 1e9)

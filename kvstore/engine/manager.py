@@ -24,6 +24,7 @@ them); the others block on I/O and are for the caller's worker threads.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -237,9 +238,10 @@ class TieredStore:
             self._uploader.kick()
         return outcome
 
-    def warm(self, keys: Sequence[str]) -> int:
-        """Bring ``keys`` from the object store into NVMe now; how many are on NVMe afterwards."""
-        return self._reader.warm(keys)
+    def warm(self, keys: Sequence[str], *, cancel: threading.Event | None = None) -> int:
+        """Bring ``keys`` from the object store into NVMe now (stopping before the next batch once `cancel`
+        is set); how many are on NVMe afterwards."""
+        return self._reader.warm(keys, cancel=cancel)
 
     def get(self, key: str) -> bytes | None:
         """A chunk's raw bytes (verified), or None. For tools; the vLLM path uses `load_into`."""

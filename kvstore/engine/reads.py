@@ -9,6 +9,7 @@ hits go to NVMe afterwards, at a quiet moment (``admission``).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -183,7 +184,7 @@ class Reader:
         state.object_hits([fetched])
         return bytes(out)
 
-    def warm(self, keys: Sequence[str]) -> int:
+    def warm(self, keys: Sequence[str], *, cancel: threading.Event | None = None) -> int:
         """Bring ``keys`` from the object store into NVMe now, through the one admission path; how many are
         on NVMe afterwards."""
         state = self._state
@@ -195,7 +196,7 @@ class Reader:
         wanted = [k for k, here in zip(keys, cached, strict=True) if not here]
         store = state.store
         for start in range(0, len(wanted), _WARM_BATCH):
-            if store is None or not state.store_available:
+            if store is None or not state.store_available or (cancel is not None and cancel.is_set()):
                 break
             try:
                 fetched = state.threads.map(

@@ -27,20 +27,24 @@ def open_store(
     access_key: str | None = None,
     secret_key: str | None = None,
     region: str | None = None,
+    session_token: str | None = None,
     **options: Any,
 ) -> ObjectStore:
     """Open the store `url` names. Extra `options` go to the backend (for S3: `S3Options` fields).
 
     The S3 endpoint comes from the argument, else `KVSTORE_S3_ENDPOINT`, else `AWS_ENDPOINT_URL`, else AWS;
-    an `http://` endpoint means plain HTTP. Malformed URLs raise `ConfigError` saying what is wrong.
+    an `http://` endpoint means plain HTTP; `session_token` None means `AWS_SESSION_TOKEN`, "" none.
+    Malformed URLs raise `ConfigError` saying what is wrong.
     """
     parts = urlsplit(url)
     if parts.query or parts.fragment:
         raise ConfigError(f"store URL {url!r}: query strings and fragments are not supported")
     scheme = parts.scheme.lower()
     if scheme == "s3":
-        return _open_s3(url, parts.netloc, parts.path, endpoint, access_key, secret_key, region, options)
-    if options or endpoint or access_key or secret_key or region:
+        return _open_s3(
+            url, parts.netloc, parts.path, endpoint, access_key, secret_key, region, session_token, options
+        )
+    if options or endpoint or access_key or secret_key or region or session_token:
         raise ConfigError(f"store URL {url!r}: endpoint, credentials and options apply only to s3:// stores")
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
@@ -67,6 +71,7 @@ def _open_s3(
     access_key: str | None,
     secret_key: str | None,
     region: str | None,
+    session_token: str | None,
     options: dict[str, Any],
 ) -> S3Store:
     if not bucket:
@@ -88,5 +93,6 @@ def _open_s3(
         access_key=access_key,
         secret_key=secret_key,
         region=region,
+        session_token=session_token,
         options=s3_options,
     )

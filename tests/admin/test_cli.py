@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from kvstore.cache import NVMeCache
 
@@ -92,6 +94,48 @@ def test_fsck_exit_codes(tmp_path: Path) -> None:
     assert fix.returncode == 0, fix.stdout + fix.stderr
     again = subprocess.run([*KVSTORE, "fsck"], env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_fsck_refuses_a_damaged_index_and_fix_rebuilds_it(tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    with NVMeCache(cache_dir, 1 << 20) as cache:
+        for i in range(5):
+            cache.put(f"a/{i}.bin", bytes([i]) * 5000)
+    os.truncate(cache_dir / "index" / "data.mdb", 8192)
+    env = _env(tmp_path, KVSTORE_CACHE_DIR=str(cache_dir), KVSTORE_CACHE_BYTES=str(1 << 20))
+    check = subprocess.run([*KVSTORE, "fsck"], env=env, capture_output=True, text=True)
+    assert check.returncode == 3, check.stdout + check.stderr  # not a SIGBUS (135), not a traceback
+    assert "damaged" in check.stderr and "fsck --fix" in check.stderr
+    fix = subprocess.run([*KVSTORE, "fsck", "--fix"], env=env, capture_output=True, text=True)
+    assert fix.returncode == 0, fix.stdout + fix.stderr
+    assert "rebuilt the damaged index from 5 chunk files" in fix.stderr
+    with NVMeCache(cache_dir, 1 << 20) as cache:
+        assert [cache.get(f"a/{i}.bin") for i in range(5)] == [bytes([i]) * 5000 for i in range(5)]
+
+
+def test_fsck_fix_runs_on_a_full_disk(tmp_path: Path) -> None:
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        cache_dir = mount / "cache"
+        with NVMeCache(cache_dir, 1 << 20) as cache:
+            cache.put("a/1.bin", b"x" * 5000)
+        folder = next((cache_dir / "chunks").iterdir())
+        leftover = folder / ".1.deadbeef.0011223344556677.tmp"  # a killed writer's partial file
+        leftover.write_bytes(b"y" * 100_000)
+        with open(mount / "filler", "wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+        env = _env(tmp_path, KVSTORE_CACHE_DIR=str(cache_dir), KVSTORE_CACHE_BYTES=str(1 << 20))
+        fix = subprocess.run([*KVSTORE, "fsck", "--fix"], env=env, capture_output=True, text=True)
+        assert fix.returncode == 0, fix.stdout + fix.stderr
+        assert not leftover.exists()
+        assert json.loads(fix.stdout)["orphan_files"] == [str(leftover.relative_to(cache_dir))]
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_bad_configuration_exits_2_and_names_the_option(tmp_path: Path) -> None:

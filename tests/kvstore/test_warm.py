@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,17 @@ def test_prefetch_function_counts_and_skips_bad_objects(make_node: Callable[[str
     assert prefetch(b.engine, keys[:5]) == 3  # keys[3] fails verification, keys[4] does not exist
     assert b.cache.contains_many(keys[:5]) == [True, True, True, False, False]
     assert prefetch(b.engine, []) == 0
+
+
+def test_a_cancelled_warm_stops_before_its_next_batch(make_node: Callable[[str], Node]) -> None:
+    keys = keys_for_tokens(NS, TOKENS)
+    seed(make_node("a"), keys)
+    b = make_node("b")
+    cancel = threading.Event()
+    cancel.set()
+    report = warm(b, NS.id, TOKENS, cancel=cancel)
+    assert (report.remote, report.prefetched) == (10, 0)
+    assert not any(b.cache.contains_many(keys))
 
 
 def test_corrupt_remote_chunk_counts_as_missing(make_node: Callable[[str], Node]) -> None:
