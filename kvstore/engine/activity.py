@@ -44,8 +44,12 @@ class Activity:
 
     def wait_quiet(
         self, quiet_s: float, max_wait_s: float, stop: threading.Event, poll_s: float = 0.005
-    ) -> None:
-        """Return once the foreground has been quiet for `quiet_s`, after `max_wait_s`, or on `stop`."""
+    ) -> bool:
+        """Wait until the foreground has been quiet for `quiet_s`, `max_wait_s` passed, or `stop`; whether it
+        is quiet (False: the wait ran out, the foreground is still busy)."""
         deadline = time.monotonic() + max_wait_s
-        while self.busy(quiet_s) and time.monotonic() < deadline and not stop.is_set():
+        while self.busy(quiet_s):
+            if time.monotonic() >= deadline or stop.is_set():
+                return False
             time.sleep(poll_s)
+        return True

@@ -5,9 +5,10 @@ NVMe and in the journal before its store job reports, so nothing is lost when th
 rejecting writes, or when the process dies; the next process to open the cache picks up where this one
 stopped. One loop claims a batch (a lease in the index, so the node's processes share the work), PUTs it from
 the NVMe files on the upload threads, and records the outcome in one transaction. Uploads yield to the
-tier's loads and stores (``activity``): they wait for a quiet moment, a second at the most. Memory for
-uploads is one chunk per upload thread. A failed PUT opens the breaker and leaves the chunk in the journal,
-to be retried after the cooldown; a chunk evicted before its upload is counted (``kvstore:uploads_lost``).
+tier's loads and stores (``activity``): they wait for a quiet moment, and a node that never pauses gets a
+trickle of small batches, one a second. Memory for uploads is one chunk per upload thread. A failed PUT opens
+the breaker and leaves the chunk in the journal, to be retried after the cooldown; a chunk evicted before its
+upload is counted (``kvstore:uploads_lost``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kvstore.stores import ObjectStore
 log = logging.getLogger(__name__)
 
 _CLAIM = 64  # chunks per claim: one index transaction claims them, one records them
+_CLAIM_BUSY = 8  # ... while the tier's loads and stores keep the node busy: a trickle that always progresses
 _LEASE_S = 120.0  # a claim older than this is taken over (its process died, or hung)
 _IDLE_WAIT_S = 0.5
 _QUIET_S = 0.01
@@ -109,8 +111,8 @@ class Uploader:
         if not self._breaker.available():
             return False
         # Loads and stores first: the journal holds what waits, and a batch goes at least every second.
-        self._activity.wait_quiet(_QUIET_S, _MAX_YIELD_S, self._stopping)
-        claimed = self._cache.claim_uploads(_CLAIM, lease_s=_LEASE_S)
+        quiet = self._activity.wait_quiet(_QUIET_S, _MAX_YIELD_S, self._stopping)
+        claimed = self._cache.claim_uploads(_CLAIM if quiet else _CLAIM_BUSY, lease_s=_LEASE_S)
         if not claimed:
             return False
         outcomes = self._threads.map(self._threads.upload, self._threads.upload_workers, self._one, claimed)
