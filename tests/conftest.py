@@ -12,7 +12,7 @@ import os
 import queue
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from kvstore.embedded import SeaweedServer
 from kvstore.metrics import EngineMetrics
 from kvstore.runtime import Node, open_node
 from kvstore.stores.s3 import S3Store
+from tests.helpers import require_vllm, vllm_expected
 
 
 @dataclass
@@ -157,9 +158,43 @@ def private_s3_store(private_s3_server: S3Server) -> Iterator[S3Store]:
         yield store
 
 
+# Fixtures that reach a real S3 server: a test using any of them is an `integration` test, whatever its module
+# says, so `-m "not integration"` really runs without a server.
+_S3_FIXTURES = frozenset(
+    {"s3_server", "s3_bucket", "s3_store", "private_s3_server", "private_s3_store", "open_test_node"}
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _S3_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
+
+def _missing_vllm(report: pytest.CollectReport | pytest.TestReport) -> bool:
+    """A skip for want of vLLM (`pytest.importorskip("vllm...")` or a "not installed" reason)."""
+    if not report.skipped:
+        return False
+    reason = str(report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr)
+    return "vllm" in reason.lower() and ("could not import" in reason or "not installed" in reason)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, pytest.CollectReport]:
+    # Where vLLM belongs to the install, a module skipped because vLLM does not import is a failure: with a
+    # skip, a broken vLLM install gave a green run.
+    report: pytest.CollectReport = yield
+    why = vllm_expected()
+    if why is not None and _missing_vllm(report):
+        report.outcome = "failed"
+        report.longrepr = f"vLLM must work here ({why}), but: {report.longrepr}"
+    return report
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    # A run that selects no tests (e.g. `-m vllm` on a machine without vLLM) is not a failure.
-    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+    # A run that selects no tests (e.g. `-m vllm` on a machine without vLLM) is not a failure there; where
+    # vLLM belongs to the install (`vllm_expected`), it is: the vLLM tests went missing.
+    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and vllm_expected() is None:
         session.exitstatus = pytest.ExitCode.OK
 
 
@@ -198,7 +233,9 @@ class KVEventSubscriber:
         import msgspec
         import zmq
 
-        kv_events = pytest.importorskip("vllm.distributed.kv_events")
+        require_vllm()
+        from vllm.distributed import kv_events
+
         self._decoder = msgspec.msgpack.Decoder(type=kv_events.KVEventBatch)
         self._messages: queue.Queue[list[bytes]] = queue.Queue()
         self._sock = zmq.Context.instance().socket(zmq.SUB)
