@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import sys
+import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,8 +30,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import Offl
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, make_offload_key
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvstore.errors import ConfigError
+from kvstore.engine import Presence
+from kvstore.errors import ConfigError, StoreError, StoreUnavailable
+from kvstore.pins import create_pin, delete_pin
 from kvstore.stores import ObjectStore
+from tests.helpers import free_port, wait_for
 
 CHUNK = 64 * 1024
 REQ = ReqContext(req_id="r1")
@@ -117,6 +123,41 @@ def test_store_then_load_round_trip(node: StandaloneTier) -> None:
     result = wait_jobs(tier, {2})[2]
     assert result.success and result.transfer_bytes == 4 * CHUNK
     assert [bytes(node.slot(8 + j)) for j in range(4)] == [data(i) for i in (3, 2, 1, 0)]
+
+
+def test_stores_read_the_rows_chunk_ids_name_and_loads_fill_theirs(
+    node: StandaloneTier, s3_env: None, s3_store: ObjectStore, tmp_path: Path
+) -> None:
+    """vLLM hands a store job the primary rows its chunks sit in: row `chunk_ids[i]` holds `keys[i]`. Every
+    row holds distinct bytes, so reading any other row (row i, say) stores another chunk's KV under a key."""
+    tier = node.tier
+    for row in range(16):
+        node.fill(row, data(100 + row))
+    keys = [okey(i) for i in range(20, 24)]
+    rows = [5, 2, 9, 14]
+    tier.submit_store(job(1, keys, rows, promotion=False))
+    assert wait_jobs(tier, {1})[1].success
+    for row in range(16):
+        node.fill(row, b"\0" * CHUNK)
+    targets = [3, 12, 7, 1]
+    tier.submit_load(job(2, keys, targets, promotion=True))
+    assert wait_jobs(tier, {2})[2].success
+    assert [node.slot(t) == data(100 + r) for t, r in zip(targets, rows, strict=True)] == [True] * 4
+    assert all(node.slot(row) == b"\0" * CHUNK for row in set(range(16)) - set(targets))
+    assert tier.engine.flush(30)
+
+    # A node sharing only the bucket reads the same bytes under the same keys.
+    reader = standalone_tier(options(s3_store, tmp_path / "reader"), chunk_bytes=CHUNK, num_chunks=8)
+    try:
+        assert (
+            reader.tier.engine.lookup([reader.tier.namespace.chunk_key(k) for k in keys], wait=True)
+            == [Presence.REMOTE] * 4
+        )
+        reader.tier.submit_load(job(3, keys[::-1], [6, 0, 4, 2], promotion=True))
+        assert wait_jobs(reader.tier, {3})[3].success
+        assert [reader.slot(t) for t in (6, 0, 4, 2)] == [data(100 + r) for r in rows[::-1]]
+    finally:
+        reader.close()
 
 
 def test_partial_load_reports_successful_keys_and_marks_missing(node: StandaloneTier) -> None:
@@ -256,9 +297,8 @@ def test_events_and_stats(s3_env: None, s3_store: ObjectStore, tmp_path: Path) -
     assert set(first) <= set(declared)
     written = first[WRITE_BYTES][("nvme",)]
     # Asked on every engine step: deltas only, and nothing at all when nothing changed (the NVMe usage,
-    # read once a second, is reported when it changes).
-    time.sleep(1.2)
-    tier.get_stats()
+    # read once a second, is reported when it changes): once the figures are handed over, none follow.
+    wait_for(lambda: tier.get_stats() is None, what="the stats to be handed over")
     for _ in range(5):
         time.sleep(0.05)
         assert tier.get_stats() is None
@@ -285,3 +325,122 @@ def test_probe_chains_follow_vllm_scans() -> None:
     ]
     # A prefix run is one chain (cut at its first miss); any other run is asked key by key.
     assert prefix_chains(lookups) == [["a0", "a1"], ["w1"], ["w0"], ["b0", "b2"], ["c0"], ["c1"]]
+
+
+# -- what the README promises about the tier's options
+
+
+def test_bad_credentials_or_a_missing_bucket_fail_at_start_up(
+    s3_server: Any, s3_store: ObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with pytest.raises(StoreError) as wrong:
+        standalone_tier(options(s3_store, tmp_path / "a"), chunk_bytes=CHUNK, num_chunks=2)
+    assert not isinstance(wrong.value, StoreUnavailable) and "not-the-secret" not in str(wrong.value)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+    missing = {**options(s3_store, tmp_path / "b"), "store_url": "s3://kvt-no-such-bucket-here/x"}
+    with pytest.raises(StoreError, match="kvt-no-such-bucket-here"):
+        standalone_tier(missing, chunk_bytes=CHUNK, num_chunks=2)
+
+
+def test_an_unreachable_store_does_not_stop_the_tier_from_starting(tmp_path: Path) -> None:
+    cfg = {
+        "store_url": "s3://bucket/x",
+        "s3_endpoint": f"http://127.0.0.1:{free_port()}",
+        "cache_dir": str(tmp_path / "nvme"),
+        "cache_bytes": 1 << 30,
+    }
+    built = standalone_tier(cfg, chunk_bytes=CHUNK, num_chunks=2)
+    try:
+        built.fill(0, data(3))
+        built.tier.submit_store(job(1, [okey(3)], [0], promotion=False))
+        assert wait_jobs(built.tier, {1})[1].success  # kept on NVMe, uploaded once the store is back
+        assert built.tier.lookup(okey(3), REQ) is LookupResult.HIT
+    finally:
+        built.close()
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_job_workers_threads_per_kind(
+    s3_env: None, s3_store: ObjectStore, tmp_path: Path, workers: int
+) -> None:
+    before = {t.name for t in threading.enumerate()}
+    built = standalone_tier(
+        options(s3_store, tmp_path / "nvme", job_workers=workers), chunk_bytes=CHUNK, num_chunks=4
+    )
+    try:
+        mine = {t.name for t in threading.enumerate()} - before
+        assert len({n for n in mine if n.startswith("kvstore-load-")}) == workers
+        assert len({n for n in mine if n.startswith("kvstore-store-")}) == workers
+    finally:
+        built.close()
+    left = {t.name for t in threading.enumerate()} - before
+    assert not {n for n in left if n.startswith(("kvstore-load-", "kvstore-store-"))}, "shutdown joins them"
+
+
+def test_the_tier_syncs_pins_made_elsewhere_into_its_cache(
+    s3_env: None, s3_store: ObjectStore, tmp_path: Path
+) -> None:
+    built = standalone_tier(
+        options(s3_store, tmp_path / "nvme", pin_sync_s=0.2), chunk_bytes=CHUNK, num_chunks=2
+    )
+    try:
+        tier = built.tier
+        key = tier.namespace.chunk_key(okey(5))
+        assert tier.engine.cache is not None and tier.engine.cache.pinned(key) == 0
+        create_pin(s3_store, "system-prompt", tier.namespace, [key])  # as another node's admin service would
+        wait_for(lambda: tier.engine.cache.pinned(key) > 0, what="the pin to reach the tier's cache")
+        delete_pin(s3_store, "system-prompt")
+        wait_for(lambda: tier.engine.cache.pinned(key) == 0, what="the unpin to reach the tier's cache")
+    finally:
+        built.close()
+
+
+def test_store_url_list_as_a_tier_option_reads_a_remote_region(
+    s3_env: None, s3_server: Any, s3_store: ObjectStore, tmp_path: Path
+) -> None:
+    far = f"kvt-{uuid.uuid4().hex[:16]}"
+    s3_server.client().make_bucket(far)
+    try:
+        with s3_server.store(far) as remote:
+            writer = standalone_tier(
+                {**options(remote, tmp_path / "writer"), "store_url": f"s3://{far}"},
+                chunk_bytes=CHUNK,
+                num_chunks=2,
+            )
+            writer.fill(0, data(8))
+            writer.tier.submit_store(job(1, [okey(8)], [0], promotion=False))
+            wait_jobs(writer.tier, {1})
+            writer.close()  # uploads to the far bucket
+            regions = json.dumps(
+                [f"s3://{s3_store.bucket}/{s3_store.prefix}", {"url": f"s3://{far}", "name": "eu"}]  # type: ignore[attr-defined]
+            )
+            reader = standalone_tier(
+                {**options(s3_store, tmp_path / "reader"), "store_url": regions},
+                chunk_bytes=CHUNK,
+                num_chunks=2,
+            )
+            try:
+                tier = reader.tier
+                wait_for(
+                    lambda: (
+                        (tier.lookup(okey(8), REQ), tier.on_schedule_end(None))[0]  # type: ignore[arg-type]
+                        is LookupResult.HIT
+                    ),
+                    what="the remote region's chunk to be found",
+                )
+                tier.submit_load(job(2, [okey(8)], [1], promotion=True))
+                assert wait_jobs(tier, {2})[2].success and reader.slot(1) == data(8)
+                assert (
+                    tier.engine.metrics.registry.get_sample_value(
+                        "kvstore:region_hits_total", {"region": "eu"}
+                    )
+                    == 1
+                )
+            finally:
+                reader.close()
+            for info in remote.list():
+                remote.delete(info.key)
+    finally:
+        s3_server.client().remove_bucket(far)
