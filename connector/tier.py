@@ -6,10 +6,23 @@ vLLM's `TieringOffloadingSpec` builds it from a `secondary_tiers` entry::
      "store_url": "s3://kv-cache/prod", "cache_dir": "/mnt/nvme/kv", "cache_bytes": 2000000000000}
 
 It is a thin adapter: every byte moves through `kvstore.engine.TieredStore`. Contract with vLLM (see
-`SecondaryTierManager`): all methods run on the scheduler thread and return at once. Loads and stores run on
-the tier's job threads; each job is reported exactly once through `get_finished_jobs()`. Nothing raises into
-vLLM: a failing store or disk becomes a miss, a failed job and a metric. A chunk that fails to load is
+`SecondaryTierManager`): every method returns at once. Calls never overlap, but they need not come from one
+thread: vLLM 0.32 makes them all from the scheduler thread; 0.33 makes them under its tiering manager's lock,
+from the scheduler thread and, through another tier's `ParentManager` fan-out, from its tier-poll thread. So
+the tier keeps no per-thread state: what the calls share (the probe batch, the loads in flight, the key memo,
+the GIL switch state) changes only inside calls, which that serialisation orders; what the tier's own threads
+share with the calls is a deque, a queue or the engine, all safe from any thread. It does not ask to be polled
+off-thread (`tolerates_off_thread_polling`): it serves no counterpart between steps.
+
+Loads and stores run on the tier's job threads; each job is reported exactly once through
+`get_finished_jobs()`, with its bytes and seconds. Nothing raises into vLLM: a failing store or disk becomes a
+miss, a failed job and a metric; so does a chunk id outside the primary region. A chunk that fails to load is
 marked missing, so the scheduler does not ask for it again and again.
+
+KV events give each copy its own residency, keyed like vLLM's event tracker on (medium, ownership): the NVMe
+copy as ownership `KVStoreTier/nvme` with the configured `locality` (default LOCAL), the bucket copy as
+`KVStoreTier/object` with `object_locality` (default REMOTE), so an NVMe eviction never makes a router forget
+a block that is still in the bucket.
 """
 
 from __future__ import annotations
@@ -23,7 +36,9 @@ import time
 from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
+from kvstore.connector.engine_keys import engine_scheme
 from kvstore.connector.jobs import JobThreads
+from kvstore.connector.tier_events import parse_locality, to_vllm_events
 from kvstore.connector.tier_metrics import BackgroundStats, TierStats, metric_definitions
 from prometheus_client import CollectorRegistry
 from typing_extensions import override
@@ -45,9 +60,10 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvstore.access import AccessRecorder
 from kvstore.config import load_settings
-from kvstore.engine import ChunkEvent, Presence, TieredStore
+from kvstore.engine import Presence, TieredStore
 from kvstore.errors import ConfigError, StoreError
-from kvstore.keys import Namespace, chunk_key_to_offload_key
+from kvstore.key_scheme import KeyScheme, namespace_schemes, record_scheme
+from kvstore.keys import Namespace
 from kvstore.metrics import EngineMetrics
 from kvstore.pins import PinSyncLoop
 from kvstore.runtime import Node, open_node
@@ -56,6 +72,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
 
 log = logging.getLogger(__name__)
+
+# Python's default GIL switch interval is 5 ms; while a request waits on the tier, this (see __init__).
+_FAST_SWITCH_S = 0.00002
 
 # Options a `secondary_tiers` entry may carry, mapped to kvstore settings names.
 _SETTINGS_OPTIONS = {
@@ -79,6 +98,7 @@ _SETTINGS_OPTIONS = {
     "remote_cooldown_s",
     "remote_workers",
     "remote_copy_queue_bytes",
+    "object_locality",
 }
 _TIER_OPTIONS = {
     "enable_kv_events",
@@ -127,6 +147,9 @@ def prefix_chains(lookups: Sequence[UnknownChunk]) -> list[list[str]]:
 
 class KVStoreTier(SecondaryTierManager):
     medium: ClassVar[Medium] = Medium.STORAGE
+    # vLLM 0.33: the tier serves no counterpart between engine steps, so the manager's tier-poll thread has
+    # nothing to do for it (calls from that thread through another tier's fan-out are still safe, see above).
+    tolerates_off_thread_polling: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -146,20 +169,28 @@ class KVStoreTier(SecondaryTierManager):
         settings = load_settings(**{k: v for k, v in options.items() if k in _SETTINGS_OPTIONS})
         if not settings.store_url:
             raise ConfigError("KVStoreTier: store_url is required (or set KVSTORE_STORE_URL)")
-        self.locality = Locality(options["locality"]) if options.get("locality") else Locality.LOCAL
+        self.locality = parse_locality("locality", options.get("locality"), Locality.LOCAL)
+        self._localities = {
+            "nvme": self.locality,
+            "object": parse_locality("object_locality", settings.object_locality, Locality.REMOTE),
+        }
         # While a request waits on us (a load, or a probe after a RETRY), vLLM's engine loop spins on the GIL,
         # and each of our threads coming back from a read or an index lookup waits up to Python's switch
         # interval (5 ms) for it: a load of 50 chunks could spend most of its time queueing. A short interval
         # while such work is pending bounds each hand-off; the process's own interval is restored when none
         # is. Stores are write-behind and leave it alone: a short interval costs the scheduler thread
-        # preemptions. 0: off.
-        self._fast_switch = float(options.get("gil_switch_interval_s", 0.00002))
-        if self._fast_switch < 0:
-            raise ConfigError("KVStoreTier: gil_switch_interval_s must be >= 0")
+        # preemptions. The switch interval is process-wide and was measured on the CPU backend only, where
+        # the forward pass competes for the same GIL: on by default with `CPUTieringSpec`, off (0) with the
+        # stock GPU spec until it has been measured there; `gil_switch_interval_s` sets it either way.
+        self._fast_switch = float(
+            options.get("gil_switch_interval_s", _FAST_SWITCH_S if _is_cpu_spec(offloading_spec) else 0.0)
+        )
+        if not 0 <= self._fast_switch < 1:
+            raise ConfigError("KVStoreTier: gil_switch_interval_s must be >= 0 and < 1 (seconds)")
         self._workers_per_kind = int(options.get("job_workers", 1))
         if self._workers_per_kind < 1:
             raise ConfigError("KVStoreTier: job_workers must be >= 1")
-        self._loads_in_flight: set[int] = set()  # job ids; scheduler thread only
+        self._loads_in_flight: set[int] = set()  # job ids; changed only inside vLLM's (serialised) calls
         self._switched = False
         self._normal_switch = sys.getswitchinterval()
 
@@ -189,7 +220,7 @@ class KVStoreTier(SecondaryTierManager):
             batch_chunks=int(options.get("job_batch_chunks", 256)),
         )
         self._unprobed: list[UnknownChunk] = []
-        self._chunk_keys: dict[bytes, str] = {}  # offload key -> chunk key (scheduler thread)
+        self._chunk_keys: dict[bytes, str] = {}  # offload key -> chunk key (inside vLLM's calls only)
         self._stats = BackgroundStats(
             TierStats(self._engine.metrics), interval_s=float(options.get("stats_interval_s", 0.5))
         )
@@ -202,12 +233,27 @@ class KVStoreTier(SecondaryTierManager):
             if options.get("access_records", True)
             else None
         )
-        threading.Thread(target=self._publish_namespace, name="kvstore-tier-namespace", daemon=True).start()
+        self.key_scheme, from_engine = engine_scheme()
+        if not self.key_scheme.shareable:
+            log.warning(
+                "KVStoreTier: this engine's block hashes use a random per-process seed (xxhash without "
+                "PYTHONHASHSEED): no other instance, restart, pin or warm run will ever compute its keys, so "
+                "nothing it stores can be shared. Use --prefix-caching-hash-algo sha256, or set the same "
+                "PYTHONHASHSEED on every instance."
+            )
+        self._store_url = self._node.store.url
+        self._codec = settings.codec
+        self._cache_bytes = settings.cache_bytes
+        threading.Thread(
+            target=self._publish_namespace, args=(from_engine,), name="kvstore-tier-namespace", daemon=True
+        ).start()
         log.info(
-            "KVStoreTier ready: namespace %s, store %s, cache %s",
+            "KVStoreTier ready: namespace %s, store %s, cache %s, keys %s/%s",
             self.namespace.id,
             self._node.store.url,
             settings.cache_dir,
+            self.key_scheme.hash_algo or "xxhash family",
+            self.key_scheme.seed_fingerprint,
         )
 
     @property
@@ -280,7 +326,9 @@ class KVStoreTier(SecondaryTierManager):
         events = self._engine.take_events()
         if not self._events_enabled or not events:
             return ()
-        return self._to_vllm_events(events)
+        prefix = f"{self.namespace.id}_r{self.namespace.rank}/"
+        translated: list[OffloadingEvent] = to_vllm_events(events, prefix=prefix, localities=self._localities)
+        return translated
 
     @override
     def drain_jobs(self) -> None:
@@ -314,6 +362,26 @@ class KVStoreTier(SecondaryTierManager):
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
         definitions: dict[str, OffloadingMetricMetadata] = metric_definitions()
         return definitions
+
+    # vLLM 0.33's info metric (`vllm:kv_offload_config_info`): fixed facts, one label each. No `@override`:
+    # vLLM 0.32 has no such members, and there they are never called. Names carry our prefix because the
+    # spec merges every tier's label names into one series schema.
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return _CONFIG_INFO_KEYS
+
+    def config_info(self) -> dict[str, str | int | float | bool]:
+        scheme = self.key_scheme
+        return {
+            "kvstore_namespace": self.namespace.id,
+            "kvstore_store": self._store_url,
+            "kvstore_cache_bytes": self._cache_bytes,
+            "kvstore_codec": self._codec,
+            "kvstore_hash_algo": scheme.hash_algo or "unknown",
+            "kvstore_seed_fingerprint": scheme.seed_fingerprint,
+            "kvstore_keys_shareable": scheme.shareable,
+            "kvstore_gil_switch_interval_s": self._fast_switch,
+        }
 
     @override
     def get_stats(self) -> OffloadingConnectorStats | None:
@@ -401,38 +469,63 @@ class KVStoreTier(SecondaryTierManager):
                     for k, cid in zip(job.keys, job.chunk_ids, strict=True)
                 ]
             except ValueError as exc:
-                log.error("KVStoreTier job %s refused: %s", job.job_id, exc)
+                # The message only: a log record holding the exception keeps its frames, and with them views
+                # of the primary region, alive past shutdown (vLLM unmaps the region then).
+                log.error("KVStoreTier job %s refused: %s", job.job_id, str(exc))
                 failed.append(JobResult(job_id=job.job_id, success=False))
                 continue
             runnable.append((job, items))
         return runnable, failed
 
-    def _publish_namespace(self) -> None:
-        """Describe the namespace in the bucket once, like vLLM's fs tier writes its config.json."""
+    def _publish_namespace(self, from_engine: bool) -> None:
+        """Describe the namespace in the bucket once, like vLLM's fs tier writes its config.json, and record
+        this engine's key scheme beside it; warn when engines with other seeds already write it."""
         import json
 
         try:
             body = json.dumps(self.namespace.fields(), indent=2, sort_keys=True).encode()
             self._node.store.put_if_absent(self.namespace.config_key, body)
+            if not from_engine:  # a tier outside an engine has no scheme of its own to record
+                return
+            record_scheme(self._node.store, self.namespace, self.key_scheme)
+            others = [
+                s
+                for s in namespace_schemes(self._node.store, self.namespace)
+                if s.seed_fingerprint != self.key_scheme.seed_fingerprint
+            ]
         except StoreError as exc:
-            log.warning("could not write %s: %s", self.namespace.config_key, exc)
-
-    def _to_vllm_events(self, events: list[ChunkEvent]) -> list[OffloadingEvent]:
-        prefix = f"{self.namespace.id}_r{self.namespace.rank}/"
-        grouped: dict[tuple[str, bool], list[OffloadKey]] = {}
-        for event in events:
-            if event.key.startswith(prefix):  # the NVMe cache is shared with other namespaces
-                grouped.setdefault((event.tier, event.removed), []).append(
-                    OffloadKey(chunk_key_to_offload_key(event.key))
-                )
-        return [
-            OffloadingEvent(
-                keys=keys,
-                medium=Medium.STORAGE,
-                removed=removed,
-                locality=Locality.LOCAL if tier == "nvme" else Locality.REMOTE,
-                ownership=self.tier_type,
-                removal_expected=not removed,  # NVMe evicts and GC deletes: keep metadata for BlockRemoved
+            log.warning("could not describe namespace %s in the bucket: %s", self.namespace.id, exc)
+            return
+        if others:
+            log.warning(
+                "KVStoreTier: %d other key scheme(s) already write namespace %s (%s); this engine's keys "
+                "(%s) never match theirs, so neither side reuses the other's chunks. Give every engine the "
+                "same --prefix-caching-hash-algo and PYTHONHASHSEED.",
+                len(others),
+                self.namespace.id,
+                ", ".join(_describe(s) for s in others),
+                _describe(self.key_scheme),
             )
-            for (tier, removed), keys in grouped.items()
-        ]
+
+
+_CONFIG_INFO_KEYS = (
+    "kvstore_namespace",
+    "kvstore_store",
+    "kvstore_cache_bytes",
+    "kvstore_codec",
+    "kvstore_hash_algo",
+    "kvstore_seed_fingerprint",
+    "kvstore_keys_shareable",
+    "kvstore_gil_switch_interval_s",
+)
+
+
+def _describe(scheme: KeyScheme) -> str:
+    return f"{scheme.hash_algo or 'xxhash family'}/{scheme.seed_fingerprint}"
+
+
+def _is_cpu_spec(spec: object) -> bool:
+    """Whether vLLM built us under `CPUTieringSpec`. Its module imports torch; the spec can only be one if
+    vLLM already imported that module, so look it up rather than import it."""
+    cpu = sys.modules.get("kvstore.connector.cpu")
+    return cpu is not None and isinstance(spec, cpu.CPUTieringSpec)

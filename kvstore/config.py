@@ -203,6 +203,12 @@ class Settings(BaseSettings):
     admin_max_chunks: int = 65_536
     # GC publishes BlockRemoved here in vLLM's KV-event format (e.g. tcp://127.0.0.1:5557); empty = off.
     events_endpoint: str = ""
+    # The locality KV events give a chunk's bucket copy (the tier's and GC's): REMOTE, reachable by every
+    # instance; LOCAL for routers that drop REMOTE events (see the README's router settings).
+    object_locality: str = "REMOTE"
+    # The vLLM OpenAI endpoints the admin service may call (tokenize, prefill); requests name a served model,
+    # never a URL. A JSON list in KVSTORE_VLLM_URLS.
+    vllm_urls: list[str] = Field(default_factory=list)
     data_dir: Path = Field(default_factory=default_data_dir)
 
     @field_validator("store_url", mode="before")
@@ -223,6 +229,32 @@ class Settings(BaseSettings):
                 )
             return _store_specs(value)
         raise ValueError("expected a store URL or a list of stores (URL strings or tables with 'url')")
+
+    @field_validator("object_locality")
+    @classmethod
+    def _locality(cls, value: str) -> str:
+        if value not in ("LOCAL", "REMOTE"):
+            raise ValueError(f"must be 'LOCAL' or 'REMOTE' (vLLM's Locality), got {value!r}")
+        return value
+
+    @field_validator("vllm_urls", mode="before")
+    @classmethod
+    def _url_list(cls, value: Any) -> Any:
+        if isinstance(value, str):  # from a tool's option or an undecoded variable: a JSON list or one URL
+            value = json.loads(value) if value.lstrip().startswith("[") else [value] if value else []
+        return value
+
+    @field_validator("vllm_urls")
+    @classmethod
+    def _http_urls(cls, value: list[str]) -> list[str]:
+        out = []
+        for url in value:
+            url = url.strip().rstrip("/")
+            scheme, sep, rest = url.partition("://")
+            if scheme not in ("http", "https") or not sep or not rest.split("/", 1)[0]:
+                raise ValueError(f"each URL must be http(s)://host[:port][/path], got {url!r}")
+            out.append(url)
+        return out
 
     @field_validator("pin_sync_s", "prefetch_bytes")
     @classmethod

@@ -12,9 +12,10 @@ unchanged. The format mirrors `vllm/distributed/kv_events.py` (this module impor
 - each event a map tagged `"type": "BlockRemoved"` with `block_hashes`, `medium`, `group_idx`, `locality`,
   `ownership` (fields at their default are omitted, as vLLM's structs do).
 
-Values match what our vLLM tier (`connector/tier.py`) reports through vLLM for the same chunks: medium
-`STORAGE`, locality `REMOTE` (the bucket, as the tier reports object-store chunks), ownership `KVStoreTier`
-(the tier's type name). A block hash is the one in the chunk's key (`<hash hex>.bin`, FileMapper naming);
+Values match what our vLLM tier (`connector/tier_events.py`) reports through vLLM for the bucket copy of the
+same chunks: medium `STORAGE`, locality `REMOTE` by default (the `object_locality` setting), ownership
+`KVStoreTier/object`. The NVMe copy is a residency of its own (`KVStoreTier/nvme`), so GC's removals never
+touch it. A block hash is the one in the chunk's key (`<hash hex>.bin`, FileMapper naming);
 like vLLM, it is sent as an int (the low 64 bits, big-endian) unless `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`,
 in which case the raw bytes go out. A batch holds one event per KV-cache group (`_g<group>` in the key).
 
@@ -42,8 +43,11 @@ from kvstore.keys import chunk_key_to_offload_key, split_offload_key
 
 __all__ = [
     "LOCALITY_REMOTE",
+    "LOCALITY_VALUES",
     "MEDIUM_STORAGE",
     "OWNERSHIP",
+    "OWNERSHIP_NVME",
+    "OWNERSHIP_OBJECT",
     "BlockRemoved",
     "KVEventBatch",
     "KVEventPublisher",
@@ -55,7 +59,11 @@ log = logging.getLogger(__name__)
 
 MEDIUM_STORAGE = "STORAGE"
 LOCALITY_REMOTE = "REMOTE"
-OWNERSHIP = "KVStoreTier"  # the tier's `type` in vLLM's secondary_tiers config, which vLLM uses as ownership
+LOCALITY_VALUES = ("LOCAL", "REMOTE")  # vLLM's `Locality`
+# vLLM keys a chunk's residency on (medium, ownership): one ownership per copy, under the tier's type name.
+OWNERSHIP_NVME = "KVStoreTier/nvme"
+OWNERSHIP_OBJECT = "KVStoreTier/object"
+OWNERSHIP = OWNERSHIP_OBJECT  # what GC removes: bucket copies
 _INT_HASHES_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
 _HASH_MASK = (1 << 64) - 1
 _MAX_HASHES_PER_BATCH = 10_000  # GC deletes in batches of 1000; this only bounds a caller's huge list

@@ -30,6 +30,7 @@ from kvstore.keys import Namespace, make_offload_key
 __all__ = [
     "DEFAULT_HASH_ALGO",
     "DEFAULT_SEED",
+    "SUPPORTED_HASH_ALGOS",
     "ChunkRef",
     "block_hashes",
     "chunk_keys",
@@ -57,6 +58,8 @@ def _sha256_cbor(obj: Any) -> bytes:
 
 
 _ALGOS: dict[str, HashFn] = {"sha256": _sha256_pickle, "sha256_cbor": _sha256_cbor}
+# What this module computes exactly as vLLM does; the xxhash family is the engine's alone.
+SUPPORTED_HASH_ALGOS = frozenset(_ALGOS)
 
 
 def hash_function(algo: str = DEFAULT_HASH_ALGO) -> HashFn:

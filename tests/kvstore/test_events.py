@@ -46,7 +46,7 @@ def test_vllm_decodes_block_removed_batches(kv_subscriber: Any) -> None:
         assert (event.medium, event.locality, event.ownership) == (
             kv_events.MEDIUM_STORAGE,
             "REMOTE",
-            "KVStoreTier",
+            "KVStoreTier/object",  # the bucket copy's residency: GC never ends the NVMe copy's
         )
         _, seq, second = kv_subscriber.next()
         assert seq == 1 and second.events[0].block_hashes == [
@@ -56,15 +56,17 @@ def test_vllm_decodes_block_removed_batches(kv_subscriber: Any) -> None:
 
 def test_medium_locality_and_ownership_match_our_tier() -> None:
     from kvstore.connector.tier import KVStoreTier
+    from kvstore.connector.tier_events import OWNERSHIP_OBJECT
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import _MEDIUM_TO_EVENT_STR
     from vllm.v1.kv_offload.base import Locality
 
     from kvstore import events
 
-    # The tier reports object-store chunks as REMOTE storage owned by its type name (`KVStoreTier`).
+    # The tier reports bucket copies as REMOTE storage (by default) owned by `KVStoreTier/object`.
     assert _MEDIUM_TO_EVENT_STR[KVStoreTier.medium] == events.MEDIUM_STORAGE
     assert Locality.REMOTE.value == events.LOCALITY_REMOTE
-    assert KVStoreTier.__name__ == events.OWNERSHIP
+    assert tuple(m.value for m in Locality) == events.LOCALITY_VALUES
+    assert events.OWNERSHIP == OWNERSHIP_OBJECT and OWNERSHIP_OBJECT.startswith(KVStoreTier.__name__ + "/")
 
 
 def test_raw_hashes_when_vllm_sends_bytes(kv_subscriber: Any, monkeypatch: pytest.MonkeyPatch) -> None:
