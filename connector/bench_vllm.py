@@ -135,6 +135,7 @@ def bench_scheduler(
     chunk_kib: int = 256,
     step_interval_s: float = 0.0,
     loads: bool = True,
+    tier_options: dict[str, Any] | None = None,
 ) -> SchedulerCost:
     """Per-step time of every scheduler-thread call into the tier, with 1000+ chunks in flight.
 
@@ -158,7 +159,7 @@ def bench_scheduler(
         }
         if endpoint:
             options["s3_endpoint"] = endpoint
-        node = standalone_tier(options, chunk_bytes=chunk, num_chunks=slots)
+        node = standalone_tier({**options, **(tier_options or {})}, chunk_bytes=chunk, num_chunks=slots)
         tier = node.tier
         req = ReqContext(req_id="bench")
         tier.on_new_request(req)

@@ -31,6 +31,7 @@ aligned buffer instead.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import hashlib
 import logging
@@ -107,7 +108,14 @@ def _round_up(n: int) -> int:
 
 
 def _address(buf: Buffer) -> int:
-    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if len(buf) else 0
+    """The address of `buf`'s first byte. ctypes for writable buffers (vLLM's rows: ~0.6 us), numpy for
+    read-only ones (~4 us); this runs once per stored chunk."""
+    if not len(buf):
+        return 0
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    except TypeError:
+        return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
 
 
 class ChunkFiles:
