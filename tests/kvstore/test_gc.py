@@ -21,13 +21,15 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from kvstore import gc as gc_module
 from kvstore.access import ACCESS_PREFIX, encode_batch, read_access_records
-from kvstore.gc import GC_REPORT_PREFIX, GCReport, list_reports, run_gc
-from kvstore.lease import LeaseHeld
+from kvstore.gc import GC_REPORT_PREFIX, LISTING_RESOLUTION_S, GCReport, list_reports, run_gc
+from kvstore.lease import Lease, LeaseHeld, LeaseLost, read_lease
 from kvstore.stores import MemoryStore, ObjectStore
+from tests.helpers import FakeClock
 
 pytestmark = pytest.mark.integration
 
@@ -225,6 +227,34 @@ def test_two_gc_runs_at_once_only_one_runs(s3_store: Any) -> None:
     assert run_gc(s3_store, ttl_seconds=10, grace_seconds=0, now=t0 + 100).deleted == 0
 
 
+def test_a_gc_whose_lease_is_taken_over_stops_before_its_next_delete_batch(
+    s3_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GC stalled past its lease's expiry (a long pause, a frozen VM) may find another GC has taken over:
+    from then on it must delete nothing, nor remove the new holder's lease on its way out."""
+    monkeypatch.setattr(gc_module, "DELETE_BATCH", 5)
+    keys = [chunk(9000 + i) for i in range(20)]
+    write_chunks(s3_store, keys)
+    t0 = server_time(s3_store)
+    taker = Lease(s3_store, "gc", ttl_s=600, holder="taker", clock=lambda: time.time() + 10_000)
+    batches: list[list[str]] = []
+
+    def first_batch_then_taken_over(batch: list[str]) -> None:
+        batches.append(batch)
+        if len(batches) == 1:
+            taker.acquire()  # by the taker's clock our lease expired long ago: a real takeover
+
+    with pytest.raises(LeaseLost):
+        run_gc(
+            s3_store, ttl_seconds=10, grace_seconds=0, now=t0 + 100, on_removed=first_batch_then_taken_over
+        )
+    assert len(batches) == 1 and len(present(s3_store) & set(keys)) == 15, "deleted after losing the lease"
+    holder = read_lease(s3_store, "gc")
+    assert holder is not None and holder.token == taker.token, "the old GC removed the new holder's lease"
+    assert list_reports(s3_store) == []
+    taker.release()
+
+
 def test_gc_racing_with_reads_gives_clean_misses(s3_store: Any) -> None:
     keys = [chunk(5000 + i) for i in range(300)]
     write_chunks(s3_store, keys, size=64)
@@ -261,17 +291,9 @@ def test_gc_racing_with_reads_gives_clean_misses(s3_store: Any) -> None:
 # -- property: pinned and young always survive; idle, unpinned, old ones are gone --------------------------
 
 
-class FakeTime:
-    def __init__(self, start: float) -> None:
-        self.now = start
-
-    def time(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def fake_memory_clock() -> Iterator[FakeTime]:
-    clock = FakeTime(1_700_000_000.0)
+def fake_memory_clock() -> Iterator[FakeClock]:
+    clock = FakeClock(1_700_000_000.0)
     with mock.patch("kvstore.stores.memory.time", clock):
         yield clock
 
@@ -294,45 +316,59 @@ def check_gc_invariants(
                 last[k] = max(last[k], ts)
     report = run_gc(store, ttl_seconds=ttl, grace_seconds=grace, pinned=pins, now=now, max_bytes=max_bytes)
     after = {i.key for i in store.list() if i.key.endswith(".bin")}
-    protected = {k for k, i in before.items() if k in pins or now - i.last_modified < grace}
+    # Young by the stretched grace period: listings truncate `last_modified` to whole seconds.
+    young = grace + LISTING_RESOLUTION_S
+    protected = {k for k, i in before.items() if k in pins or now - i.last_modified < young}
     assert protected <= after, "a pinned or young chunk was deleted"
     idle = {k for k in before if k not in protected and now - last[k] > ttl}
     assert not idle & after, "an idle unpinned chunk survived"
     assert after <= set(before)
+    budget_gone = set(before) - idle - after
+    kept = sum(before[k].size for k in after)
+    assert report.remaining_bytes == kept and report.remaining_objects == len(after)
+    assert report.deleted_ttl == len(idle) and report.deleted_budget == len(budget_gone)
     if max_bytes is None:
-        assert after == set(before) - idle
-    else:
-        kept = sum(before[k].size for k in after)
-        assert kept <= max_bytes or report.over_budget
-        # Oldest first: every budget-deleted chunk is at least as old as every surviving eligible one.
-        budget_gone = set(before) - idle - after
-        eligible_left = after - protected
-        if budget_gone and eligible_left:
-            assert max(last[k] for k in budget_gone) <= min(last[k] for k in eligible_left)
+        assert after == set(before) - idle and not report.over_budget
+        return report
+    eligible_left = after - protected
+    # Within budget, unless only pinned and young chunks are left (then the flag says so).
+    assert report.over_budget == (kept > max_bytes)
+    if kept > max_bytes:
+        assert not eligible_left, "over budget with deletable chunks left"
+    # Oldest first: every budget-deleted chunk is at least as old as every surviving eligible one.
+    if budget_gone and eligible_left:
+        assert max(last[k] for k in budget_gone) <= min(last[k] for k in eligible_left)
+    # No more than needed: sparing the newest budget-deleted chunk would have left the bucket over budget.
+    if budget_gone:
+        excess = kept + sum(before[k].size for k in budget_gone) - max_bytes
+        newest = max(budget_gone, key=lambda k: (last[k], before[k].size))
+        assert sum(before[k].size for k in budget_gone) - before[newest].size < excess, "deleted too much"
     return report
 
 
+KEYS = 40
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("write"), st.integers(0, 11), st.integers(1, 50)),
-        st.tuples(st.just("read"), st.integers(0, 11), st.just(0)),
-        st.tuples(st.just("pin"), st.integers(0, 11), st.just(0)),
-        st.tuples(st.just("advance"), st.integers(0, 11), st.integers(1, 5000)),
+        st.tuples(st.just("write"), st.integers(0, KEYS - 1), st.integers(1, 50)),
+        st.tuples(st.just("read"), st.integers(0, KEYS - 1), st.just(0)),
+        st.tuples(st.just("pin"), st.integers(0, KEYS - 1), st.just(0)),
+        st.tuples(st.just("advance"), st.integers(0, KEYS - 1), st.integers(1, 2000)),
     ),
-    max_size=40,
+    min_size=10,
+    max_size=120,
 )
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     steps=ops,
-    ttl=st.integers(1, 8000),
-    grace=st.integers(0, 3000),
-    tail=st.integers(0, 10_000),
-    max_bytes=st.one_of(st.none(), st.integers(0, 300)),
+    ttl=st.integers(1, 20_000),
+    grace=st.integers(0, 2000),
+    tail=st.integers(0, 4000),
+    max_bytes=st.one_of(st.none(), st.integers(0, 100), st.integers(0, 400)),
 )
 def test_property_gc_invariants(
-    fake_memory_clock: FakeTime,
+    fake_memory_clock: FakeClock,
     steps: list[tuple[str, int, int]],
     ttl: int,
     grace: int,
@@ -351,7 +387,13 @@ def test_property_gc_invariants(
             pins.add(chunk(i))
         else:
             clock.now += arg
-    check_gc_invariants(store, now=clock.now + tail, ttl=ttl, grace=grace, pins=pins, max_bytes=max_bytes)
+    first = check_gc_invariants(
+        store, now=clock.now + tail, ttl=ttl, grace=grace, pins=pins, max_bytes=max_bytes
+    )
+    # Make sure the examples reach every rule (see --hypothesis-show-statistics).
+    event("budget deletions" if first.deleted_budget else "no budget deletions")
+    event("TTL deletions" if first.deleted_ttl else "no TTL deletions")
+    event("over budget" if first.over_budget else "within budget")
     # Compaction must not change the decisions of the next run at the same clock.
     again = check_gc_invariants(
         store, now=clock.now + tail, ttl=ttl, grace=grace, pins=pins, max_bytes=max_bytes
