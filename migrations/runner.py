@@ -16,7 +16,6 @@ import importlib
 import json
 import os
 import pkgutil
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +45,6 @@ LAYOUT_KEY = "_meta/layout.json"
 LATEST_VERSION = cache_index.SCHEMA_VERSION
 MIGRATIONS = "kvstore.migrations"
 
-_U64 = struct.Struct("<Q")
 
 
 class MigrationError(KVStoreError):
@@ -119,7 +117,7 @@ def _migrate_cache(cache_dir: Path, steps: list[Step]) -> list[Applied]:
     path = cache_dir / cache_index.INDEX_DIR
     if not (path / "data.mdb").exists():
         return []  # no index yet: the cache creates it at the current version
-    if os.path.realpath(path) in cache_index._REGISTRY:
+    if cache_index.is_open_in_this_process(cache_dir):
         return []  # open here already, so current: an index older than the code is refused at open
     try:
         cache_index.check_data_file(str(path))
@@ -155,10 +153,7 @@ def _migrate_cache(cache_dir: Path, steps: list[Step]) -> list[Applied]:
 
 
 def _index_version(env: lmdb.Environment) -> int:
-    meta = env.open_db(b"meta")
-    with env.begin() as txn:
-        raw = txn.get(b"schema_version", db=meta)
-    return 0 if raw is None else int(_U64.unpack(raw)[0])
+    return cache_index.read_schema_version(env)
 
 
 def _bucket_version(store: ObjectStore) -> int:

@@ -293,6 +293,19 @@ def _release(path: str, shared: _Shared) -> None:
                 shared.env.close()
 
 
+def is_open_in_this_process(directory: str | os.PathLike[str]) -> bool:
+    """Whether this process holds the index of the cache at `directory` open (one handle per process)."""
+    return os.path.realpath(os.path.join(directory, INDEX_DIR)) in _REGISTRY
+
+
+def read_schema_version(env: lmdb.Environment) -> int:
+    """The schema version an index records (0 before versioning), read through a handle of the caller's."""
+    meta = env.open_db(b"meta")
+    with env.begin() as txn:
+        raw = txn.get(_SCHEMA_KEY, db=meta)
+    return 0 if raw is None else int(_U64.unpack(raw)[0])
+
+
 def _lru_key(ts: int, key: bytes) -> bytes:
     return _TS.pack(ts) + key
 
