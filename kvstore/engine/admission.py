@@ -26,7 +26,7 @@ class AdmissionQueue:
         write: Callable[[list[Fetched]], None],
         activity: Activity,
         *,
-        budget_bytes: int,
+        budget_bytes: int = 256 << 20,  # about what `prefetch_bytes` holds: one burst of object hits
         quiet_s: float = 0.05,
         max_delay_s: float = 10.0,
     ) -> None:

@@ -67,7 +67,6 @@ class TieredStore:
         codec: Codec = Codec.NONE,
         element_width: int = 2,
         prefetch_bytes: int = 256 << 20,
-        admission_bytes: int = 256 << 20,
         probe_hit_ttl_s: float = 600.0,
         probe_miss_ttl_s: float = 2.0,
         outage_cooldown_s: float = 5.0,
@@ -105,11 +104,7 @@ class TieredStore:
         self.metrics.prefetch_bytes.set_function(lambda: float(prefetched.held_bytes))
         self._prober = Prober(state, prefetched, on_idle=self._apply_touches)
         self._writer = Writer(state, codec=codec, element_width=element_width)
-        self._admission = (
-            AdmissionQueue(self._writer.admit_fetched, activity, budget_bytes=admission_bytes)
-            if cache is not None
-            else None
-        )
+        self._admission = AdmissionQueue(self._writer.admit_fetched, activity) if cache is not None else None
         self._reader = Reader(
             state,
             prefetched,
