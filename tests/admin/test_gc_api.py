@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-import time
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -11,7 +11,6 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from kvstore.admin.app import create_app
-from kvstore.admin.routes_gc import router
 from typing_extensions import override
 
 from kvstore import gc as gc_module
@@ -21,6 +20,7 @@ from kvstore.pins import PIN_PREFIX, create_pin
 from kvstore.runtime import Node
 from kvstore.stores import ObjectInfo, ObjectStore
 from kvstore.stores.base import Data
+from tests.helpers import listed_older_than, wait_for, wait_job
 
 pytestmark = pytest.mark.integration
 
@@ -36,22 +36,9 @@ def node(s3_server: Any, s3_bucket: str, open_test_node: Callable[..., Node]) ->
 
 
 def make_app(node: Node, token: str | None = None) -> FastAPI:
-    app: FastAPI = create_app(node)
-    app.include_router(router)
+    app: FastAPI = create_app(node)  # which includes the GC router
     app.state.admin_token = token
     return app
-
-
-def wait_job(client: TestClient, job_id: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        job = client.get(f"/v1/jobs/{job_id}", headers=headers)
-        assert job.status_code == 200
-        body: dict[str, Any] = job.json()
-        if body["status"] in ("done", "failed", "cancelled"):
-            return body
-        time.sleep(0.05)
-    raise AssertionError(f"job {job_id} did not finish: {body}")
 
 
 def test_auth(node: Node) -> None:
@@ -69,20 +56,21 @@ def test_auth(node: Node) -> None:
 
 def test_gc_job_runs_and_reports_are_listed(node: Node) -> None:
     client = TestClient(make_app(node))
+    pinned = "ns_abc_r0/abc/de_g0/pinned.bin"
     node.store.put(KEY, b"\x00" * 100)
-    node.store.put("ns_abc_r0/abc/de_g0/pinned.bin", b"\x00" * 100)
-    time.sleep(1.1)  # S3 times have one-second resolution: make both objects idle past the tiny TTL
-    node.cache.pinned = lambda key: 1 if key.endswith("pinned.bin") else 0  # type: ignore[method-assign]
+    node.store.put(pinned, b"\x00" * 100)
+    node.cache.pin([pinned])  # a pin in the node's own cache: GC keeps it like a bucket pin
+    # GC stretches the grace period by the listings' one-second resolution: past it, both are idle.
+    listed_older_than(node.store, [KEY, pinned], 1.0)
     dry = client.post("/v1/gc", json={"ttl_seconds": 1e-3, "grace_seconds": 0, "dry_run": True})
     assert dry.status_code == 202 and dry.json()["status"] == "pending"
     dry_done = wait_job(client, dry.json()["id"])
     assert dry_done["status"] == "done" and dry_done["result"]["deleted"] == 1
     assert node.store.get(KEY) is not None
-    time.sleep(0.01)
     real = client.post("/v1/gc", json={"ttl_seconds": 1e-3, "grace_seconds": 0})
     result = wait_job(client, real.json()["id"])["result"]
     assert result["deleted"] == 1 and result["kept_pinned"] == 1 and not result["dry_run"]
-    assert node.store.get(KEY) is None and node.store.get("ns_abc_r0/abc/de_g0/pinned.bin") is not None
+    assert node.store.get(KEY) is None and node.store.get(pinned) is not None
     reports = client.get("/v1/gc/reports", params={"limit": 5}).json()["reports"]
     assert [r["id"] for r in reports] == [result["id"], dry_done["result"]["id"]]
     assert len(client.get("/v1/gc/reports", params={"limit": 1}).json()["reports"]) == 1
@@ -158,9 +146,11 @@ def test_gc_publishes_block_removed_for_deleted_chunks_only(
     for name in ("old", "old1", "pinned"):
         node.store.put(keys[name], b"\x00" * 100)
     create_pin(node.store, "sys", NS, [keys["pinned"]])
-    time.sleep(2.1)  # S3 times have one-second resolution; "young" must be younger than the grace below
+    # Past the grace period below (stretched by a second for the listings' resolution), then "young" is
+    # written: it stays inside it for two seconds more than the runs need.
+    listed_older_than(node.store, [keys[n] for n in ("old", "old1", "pinned")], 3.0)
     node.store.put(keys["young"], b"\x00" * 100)
-    body = {"ttl_seconds": 0, "grace_seconds": 1.5}
+    body = {"ttl_seconds": 0, "grace_seconds": 2}
 
     dry = wait_job(client, client.post("/v1/gc", json={**body, "dry_run": True}).json()["id"])
     assert dry["status"] == "done" and dry["result"]["deleted"] == 2
@@ -183,11 +173,14 @@ def test_gc_publishes_block_removed_for_deleted_chunks_only(
     assert seq == 1 and marker.events[0].block_hashes == [as_vllm["young"]]
 
 
-class SlowStore(ObjectStore):
-    """The node's real store, with a delay before reading a pin manifest and before each batch delete."""
+class GatedStore(ObjectStore):
+    """The node's real store, whose pin-manifest reads and chunk batch deletes wait until their gate opens
+    (a store that is slow exactly there), counting how many are waiting or done."""
 
-    def __init__(self, inner: ObjectStore, pin_read_s: float = 0.0, delete_s: float = 0.0) -> None:
-        self.inner, self.pin_read_s, self.delete_s = inner, pin_read_s, delete_s
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+        self.pin_gate, self.delete_gate = threading.Event(), threading.Event()
+        self.pin_reads = 0
         self.batches = 0
 
     @property
@@ -198,7 +191,8 @@ class SlowStore(ObjectStore):
     @override
     def get(self, key: str) -> bytes | None:
         if key.startswith(PIN_PREFIX):
-            time.sleep(self.pin_read_s)
+            self.pin_reads += 1
+            assert self.pin_gate.wait(60)
         return self.inner.get(key)
 
     @override
@@ -224,8 +218,8 @@ class SlowStore(ObjectStore):
     @override
     def delete_many(self, keys: Sequence[str]) -> None:
         if any(k.endswith(".bin") for k in keys):
-            time.sleep(self.delete_s)
             self.batches += 1
+            assert self.delete_gate.wait(60)
         self.inner.delete_many(keys)
 
     @override
@@ -245,7 +239,7 @@ def _old_chunks(node: Node, n: int) -> list[str]:
     keys = [NS.chunk_key(make_offload_key(i.to_bytes(32, "big"))) for i in range(n)]
     for key in keys:
         node.store.put(key, b"\x00" * 10)
-    time.sleep(1.1)  # S3 times have one-second resolution: older than the zero grace period below
+    listed_older_than(node.store, keys, 1.0)  # past the zero grace period below (stretched by a second)
     return keys
 
 
@@ -253,12 +247,15 @@ def test_post_gc_answers_at_once_and_the_job_reads_the_pins(node: Node) -> None:
     keys = _old_chunks(node, 6)
     for i in range(5):
         create_pin(node.store, f"p{i}", NS, [keys[i]])
-    node.store = SlowStore(node.store, pin_read_s=1.0)  # five manifests: five seconds to read them all
+    gated = GatedStore(node.store)
+    gated.delete_gate.set()
+    node.store = gated  # reading a pin manifest now waits until the test says so
     client = TestClient(make_app(node))
-    began = time.monotonic()
     started = client.post("/v1/gc", json={"ttl_seconds": 0, "grace_seconds": 0})
-    assert started.status_code == 202
-    assert time.monotonic() - began < 2.5  # reading the manifests in the request took 5+ s
+    assert started.status_code == 202  # answered while no manifest can be read: the request read none
+    wait_for(lambda: gated.pin_reads >= 1, what="the job to read the pins")
+    assert client.get(f"/v1/jobs/{started.json()['id']}").json()["status"] == "running"
+    gated.pin_gate.set()
     job = wait_job(client, started.json()["id"])
     assert job["status"] == "done", job
     assert job["result"]["pin_manifests"] == 5 and job["result"]["kept_pinned"] == 5
@@ -268,20 +265,19 @@ def test_post_gc_answers_at_once_and_the_job_reads_the_pins(node: Node) -> None:
 def test_delete_job_cancels_a_running_gc(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gc_module, "DELETE_BATCH", 5)
     keys = _old_chunks(node, 60)
-    slow = SlowStore(node.store, delete_s=0.3)  # twelve batches: about four seconds
-    node.store = slow
+    gated = GatedStore(node.store)  # twelve batches of five; the first waits inside its delete
+    gated.pin_gate.set()
+    node.store = gated
     client = TestClient(make_app(node))
     job_id = client.post("/v1/gc", json={"ttl_seconds": 0, "grace_seconds": 0}).json()["id"]
-    deadline = time.monotonic() + 30
-    while slow.batches < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for(lambda: gated.batches >= 1, what="the first delete batch")
     cancelled = client.delete(f"/v1/jobs/{job_id}")
     assert cancelled.status_code == 202 and cancelled.json()["status"] == "cancelling"
+    gated.delete_gate.set()
     job = wait_job(client, job_id)
     assert job["status"] == "cancelled" and "cancelled" in job["error"]
-    left = sum(node.store.exists_many(keys))
-    assert 0 < left < len(keys) and slow.batches < 12
+    # The batch under way finished; none was started after the cancel.
+    assert gated.batches == 1 and sum(node.store.exists_many(keys)) == len(keys) - 5
     # The run released its lease: the next GC starts and finishes the work.
     again = wait_job(client, client.post("/v1/gc", json={"ttl_seconds": 0, "grace_seconds": 0}).json()["id"])
     assert again["status"] == "done" and not any(node.store.exists_many(keys))
