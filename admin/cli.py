@@ -260,13 +260,18 @@ def stats(
     scan_bucket: Annotated[bool, typer.Option(help="Count the bucket's chunk objects (lists it)")] = True,
 ) -> None:
     """Per-tier usage and hit rates, NVMe usage, bucket size, pins and the last GC of this node."""
+    from kvstore.runtime import store_and_cache
     from kvstore.stats import node_stats
 
-    node = _open_node(_settings(), "cannot open the node", check_store=False)
     try:
-        console.print_json(json.dumps(node_stats(node, scan_bucket=scan_bucket), default=str))
-    finally:
-        node.close()
+        with store_and_cache(_settings()) as parts:  # read-only: no engine, none of its threads
+            console.print_json(json.dumps(node_stats(parts, scan_bucket=scan_bucket), default=str))
+    except ConfigError as exc:
+        err.print(f"[red]cannot open the node:[/red] {exc}")
+        raise typer.Exit(EXIT_CONFIG) from None
+    except KVStoreError as exc:
+        err.print(f"[red]cannot open the node:[/red] {exc}")
+        raise typer.Exit(EXIT_UNAVAILABLE) from None
 
 
 @app.command()

@@ -158,6 +158,29 @@ def open_cache(settings: Settings) -> NVMeCache:
     return NVMeCache(settings.cache_dir, settings.cache_bytes, direct_io=settings.direct_io)
 
 
+@dataclass
+class StoreAndCache:
+    """The store and the cache without an engine: for read-only tools, which start none of its threads."""
+
+    store: ObjectStore
+    cache: NVMeCache
+
+
+@contextlib.contextmanager
+def store_and_cache(settings: Settings) -> Iterator[StoreAndCache]:
+    store, server = open_object_store(settings)
+    try:
+        cache = open_cache(settings)
+        try:
+            yield StoreAndCache(store, cache)
+        finally:
+            cache.close()
+    finally:
+        store.close()
+        if server is not None:
+            server.stop()
+
+
 @contextlib.contextmanager
 def node(settings: Settings, *, metrics: EngineMetrics | None = None) -> Iterator[Node]:
     opened = open_node(settings, metrics=metrics)

@@ -1,5 +1,6 @@
-"""One node's figures in one dict: tier hit rates, NVMe usage, upload backlog, bucket size, pins, last GC,
-and with several regions, each region's reachability and traffic.
+"""One node's figures in one dict: tier hit rates (node-wide: every process on the node publishes its own into
+the cache index, see `kvstore.engine.counters`), NVMe usage, upload backlog, bucket size, pins, last GC, and
+with several regions, each region's reachability and traffic.
 
 `node_stats` backs `GET /v1/stats` and `kvstore stats`. Every section is computed independently: a store that
 is down turns its sections into `{"error": ...}` instead of failing the whole answer. Counting the bucket
@@ -10,18 +11,29 @@ buckets.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvstore.cache import NVMeCache
-from kvstore.engine import TieredStore
+from kvstore.engine.counters import FIELDS, counter_name
 from kvstore.errors import KVStoreError
 from kvstore.gc import list_reports
 from kvstore.keys import is_chunk_key
+from kvstore.metrics import TIERS
 from kvstore.pins import list_pins
-from kvstore.runtime import Node
 from kvstore.stores import ObjectStore, RegionalStore
 
-__all__ = ["BucketSize", "bucket_size", "local_stats", "node_stats", "store_stats"]
+__all__ = ["BucketSize", "NodeParts", "bucket_size", "local_stats", "node_stats", "store_stats"]
+
+
+class NodeParts(Protocol):
+    """What the figures need: the store and the cache (a `runtime.Node`, or a tool's pair without an engine,
+    whose threads a read-only command has no use for)."""
+
+    @property
+    def store(self) -> ObjectStore: ...
+
+    @property
+    def cache(self) -> NVMeCache: ...
 
 
 @dataclass(frozen=True)
@@ -47,19 +59,17 @@ def _ratio(part: float, whole: float) -> float | None:
     return part / whole if whole > 0 else None
 
 
-def _tiers(engine: TieredStore) -> dict[str, Any]:
-    snapshot = engine.metrics.snapshot()
+def _tiers(cache: NVMeCache) -> dict[str, Any]:
+    """The node's tier figures: what every process on the node (vLLM tiers, the admin service) published."""
+    try:
+        counters = cache.counters()
+    except KVStoreError as exc:
+        return {"tiers": {"error": str(exc)}, "stores_dropped": None}
     out: dict[str, Any] = {}
-    for tier, fig in snapshot.per_tier.items():
-        out[tier] = {
-            "queries": int(fig.queries),
-            "hits": int(fig.hits),
-            "hit_rate": _ratio(fig.hits, fig.queries),
-            "read_bytes": int(fig.read_bytes),
-            "write_bytes": int(fig.write_bytes),
-            "checksum_failures": int(fig.checksum_failures),
-        }
-    return {"tiers": out, "stores_dropped": int(snapshot.stores_dropped)}
+    for tier in TIERS:
+        fig = {field: counters.get(counter_name(tier, field), 0) for field in FIELDS}
+        out[tier] = {**fig, "hit_rate": _ratio(fig["hits"], fig["queries"])}
+    return {"tiers": out, "stores_dropped": counters.get("stores_dropped", 0)}
 
 
 def _nvme(cache: NVMeCache) -> dict[str, Any]:
@@ -102,22 +112,22 @@ def _regions(store: RegionalStore) -> list[dict[str, Any]]:
     return out
 
 
-def node_stats(node: Node, *, scan_bucket: bool = True) -> dict[str, Any]:
+def node_stats(node: NodeParts, *, scan_bucket: bool = True) -> dict[str, Any]:
     """A JSON-ready summary of the node. `scan_bucket=False` skips the (full) bucket listing."""
     return {**local_stats(node), **store_stats(node, scan_bucket=scan_bucket)}
 
 
-def local_stats(node: Node) -> dict[str, Any]:
+def local_stats(node: NodeParts) -> dict[str, Any]:
     """The sections that need no object store: tiers, NVMe usage, the upload backlog. Never blocks on the
     network (the admin service answers these live and the rest from `store_stats` run in the background)."""
-    out: dict[str, Any] = _tiers(node.engine)
+    out: dict[str, Any] = _tiers(node.cache)
     out["nvme"] = _nvme(node.cache)
     backlog = node.cache.backlog()
     out["upload_backlog"] = {"chunks": backlog.chunks, "bytes": backlog.bytes}
     return out
 
 
-def store_stats(node: Node, *, scan_bucket: bool = True) -> dict[str, Any]:
+def store_stats(node: NodeParts, *, scan_bucket: bool = True) -> dict[str, Any]:
     """The sections that ask the object store: regions, reachability, bucket size, pins, the last GC."""
     out: dict[str, Any] = {}
     if isinstance(node.store, RegionalStore):

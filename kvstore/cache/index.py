@@ -18,6 +18,8 @@ Sub-databases (keys are the chunk key's UTF-8 bytes unless stated):
              The NVMe copy is the only copy of such a chunk until an uploader PUTs it; an uploader claims a
              batch by moving its not-before time past a lease, so the node's processes share the work and a
              crashed uploader's claims expire. A failed PUT moves it to the retry time.
+``counters`` name -> ``<Q``: node-wide figures (lookups, hits, bytes per tier...) that every process on the
+             node adds its own to, so a tool sees the node's traffic, not its own (``add_counters``).
 ``meta``     ``schema_version`` (``<Q``, currently 2) and ``<Q`` counters kept in step with ``entries`` and
              ``uploads`` inside every write transaction: ``used_bytes``, ``entries``, ``upload_bytes``,
              ``upload_entries``.
@@ -65,7 +67,7 @@ _USED_KEY = b"used_bytes"
 _COUNT_KEY = b"entries"
 _UPLOAD_BYTES_KEY = b"upload_bytes"
 _UPLOAD_COUNT_KEY = b"upload_entries"
-_DB_NAMES = (b"entries", b"lru", b"pins", b"uploads", b"meta")
+_DB_NAMES = (b"entries", b"lru", b"pins", b"uploads", b"meta", b"counters")
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -156,6 +158,7 @@ class _Shared:
     pins: lmdb._Database
     uploads: lmdb._Database
     meta: lmdb._Database
+    counters: lmdb._Database
     pid: int
     refs: int = 0
 
@@ -173,9 +176,16 @@ def _open_shared(path: str, map_size: int, max_readers: int, sync: bool) -> _Sha
     try:
         # Reader slots of SIGKILLed processes would otherwise pin old pages forever.
         env.reader_check()
-        entries, lru, pins, uploads, meta = (env.open_db(name) for name in _DB_NAMES)
+        entries, lru, pins, uploads, meta, counters = (env.open_db(name) for name in _DB_NAMES)
         shared = _Shared(
-            env=env, entries=entries, lru=lru, pins=pins, uploads=uploads, meta=meta, pid=os.getpid()
+            env=env,
+            entries=entries,
+            lru=lru,
+            pins=pins,
+            uploads=uploads,
+            meta=meta,
+            counters=counters,
+            pid=os.getpid(),
         )
         _check_schema(shared, path)
     except BaseException:
@@ -558,6 +568,27 @@ class CacheIndex:
         used, count = self._counters(txn, s)
         self._set_counters(txn, s, max(0, used - entry.size), max(0, count - 1))
         return entry
+
+    # -- node-wide counters ------------------------------------------------------------------------------
+
+    @_translate
+    def add_counters(self, deltas: Mapping[str, int]) -> None:
+        """Add each process's own increments to the node's counters (one write transaction)."""
+        if not deltas:
+            return
+        s = self._db()
+        with s.env.begin(write=True) as txn:
+            for name, delta in deltas.items():
+                k = name.encode()
+                raw = txn.get(k, db=s.counters)
+                total = (0 if raw is None else _U64.unpack(raw)[0]) + delta
+                txn.put(k, _U64.pack(max(0, total)), db=s.counters)
+
+    @_translate
+    def read_counters(self) -> dict[str, int]:
+        s = self._db()
+        with s.env.begin() as txn:
+            return {k.decode(): _U64.unpack(v)[0] for k, v in txn.cursor(db=s.counters)}
 
     # -- the upload journal ------------------------------------------------------------------------------
 

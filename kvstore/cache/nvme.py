@@ -386,6 +386,16 @@ class NVMeCache:
             used_bytes=used, budget_bytes=self.budget_bytes, entries=entries, pinned_entries=pinned
         )
 
+    # -- node-wide counters ------------------------------------------------------------------------------
+
+    def add_counters(self, deltas: dict[str, int]) -> None:
+        """Add this process's increments to the node's counters (every process on the node adds its own)."""
+        self._index.add_counters({k: v for k, v in deltas.items() if v})
+
+    def counters(self) -> dict[str, int]:
+        """The node's counters: the sum of what every process on the node added."""
+        return self._index.read_counters()
+
     # -- the upload journal ------------------------------------------------------------------------------
 
     def claim_uploads(self, limit: int, *, lease_s: float = 60.0) -> list[CachedChunk]:

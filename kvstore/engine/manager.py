@@ -35,6 +35,7 @@ from kvstore.chunk import Codec
 from kvstore.engine.activity import Activity
 from kvstore.engine.admission import AdmissionQueue
 from kvstore.engine.breaker import Breaker
+from kvstore.engine.counters import NodeCounters
 from kvstore.engine.prefetch import PrefetchBuffer
 from kvstore.engine.prober import Prober
 from kvstore.engine.probes import AnswerCache, Presence
@@ -114,6 +115,7 @@ class TieredStore:
             touched=self._touches.append,
         )
         self._uploader: Uploader | None = None
+        self._counters = NodeCounters(self.metrics, cache) if cache is not None else None
         if cache is not None:
             self.metrics.track_nvme_usage(lambda: _usage_pair(cache))
             self.metrics.track_backlog(lambda: _backlog_triple(cache))
@@ -268,8 +270,11 @@ class TieredStore:
             self._touches.append(keys)
 
     def _apply_touches(self) -> None:
+        """The probe thread's spare time: buffered touches to the index, and the node's counters."""
         if self.cache is None:
             return
+        if self._counters is not None:
+            self._counters.maybe_publish()
         keys: list[str] = []  # may stay empty: touch() then just writes out buffered touches once due
         while self._touches:
             keys.extend(self._touches.popleft())
@@ -277,6 +282,11 @@ class TieredStore:
             self.cache.touch(keys)
         except CacheError as exc:
             log.warning("could not record %d touches: %s", len(keys), exc)
+
+    def publish_counters(self) -> None:
+        """Add this engine's figures to the node's counters now (they also go every few seconds)."""
+        if self._counters is not None:
+            self._counters.publish()
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until the upload journal is empty; False on timeout (or with the store down)."""
@@ -296,6 +306,7 @@ class TieredStore:
             self._admission.close()  # after what is queued: those hits are still written
         self.threads.join(timeout)
         self._apply_touches()
+        self.publish_counters()
         left = self.backlog_chunks()
         if left:
             log.info("%d chunks wait in the upload journal for the next start", left)

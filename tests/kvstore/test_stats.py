@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ def test_figures_after_traffic(node: Node) -> None:
     create_pin(node.store, "old", NS, keys[:1], ttl_seconds=1e-6)
     run_gc(node.store, ttl_seconds=3600, grace_seconds=600, dry_run=True)
 
+    node.engine.publish_counters()
     stats = node_stats(node)
     assert stats["bucket"]["chunk_objects"] == 6
     assert stats["bucket"]["chunk_bytes"] == sum(o.size for o in node.store.list() if o.key in keys)
@@ -106,3 +108,42 @@ def test_every_region_is_reported(
     assert regions["eu"]["hits"] == 1 and regions["eu"]["reachable"] is True
     assert regions["gone"]["reachable"] is False and "127.0.0.1:9" in regions["gone"]["error"]
     json.dumps(regions)
+
+
+def test_stats_are_the_nodes_not_the_tools(
+    s3_server: Any, s3_store: Any, open_test_node: Callable[..., Node], tmp_path: Path
+) -> None:
+    """Every process on a node adds its figures to the cache index: a second engine on the same cache (as a
+    vLLM tier beside the admin service would be) and a fresh `kvstore stats` see the first one's lookups."""
+    import subprocess
+    import sys
+
+    url = f"s3://{s3_store.bucket}/{s3_store.prefix}"
+    first = open_test_node(s3_server, url, cache_bytes=16 << 20)
+    keys = keys_for_tokens(NS, list(range(64)))
+    first.engine.store_many([(k, bytes(1000)) for k in keys])
+    first.engine.lookup(keys, wait=True)  # 4 NVMe hits
+    first.engine.publish_counters()
+    second = open_test_node(s3_server, url, cache_bytes=16 << 20, cache_dir=first.settings.cache_dir)
+    second.engine.lookup(keys[:2], wait=True)
+    second.engine.publish_counters()
+    assert node_stats(second, scan_bucket=False)["tiers"]["nvme"]["hits"] == 6
+
+    env = {
+        **os.environ,
+        "KVSTORE_STORE_URL": url,
+        "KVSTORE_S3_ENDPOINT": s3_server.endpoint,
+        "AWS_ACCESS_KEY_ID": s3_server.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+        "KVSTORE_CACHE_DIR": str(first.settings.cache_dir),
+        "KVSTORE_CACHE_BYTES": str(16 << 20),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstore.admin.cli", "stats", "--no-scan-bucket"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["tiers"]["nvme"]["hits"] == 6
