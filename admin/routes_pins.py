@@ -1,18 +1,24 @@
 """The pins API: create, list, read and delete pin manifests in the node's bucket (`/v1/pins`).
 
-Creating a pin computes the chunk keys (token ids, a prompt or chat messages, hashed like vLLM) and writes the
-manifest; nodes pick it up through `kvstore.pins.apply_pins`, which this service runs for its own node after
-every create and delete (the answer's `node_pins` says what changed, or why it could not). Errors map to 404
-(unknown pin or namespace), 409 (name taken), 413 (body too large) and 422 (bad input, or more tokens or
-chunks than `admin_max_tokens` / `admin_max_chunks`), each as JSON `{"detail": ...}`.
+Creating a pin computes the chunk keys and writes the manifest. Keys come from token ids, or from a prompt or
+chat messages that the serving engine itself tokenizes (`POST /tokenize` of the configured vLLM endpoint that
+serves `served_model`, with its chat template), hashed with the algorithm and seed the namespace's engines
+record (`kvstore.key_scheme`): a pin never names chunks its engines would not compute. The service calls only
+the endpoints of its `vllm_urls` setting and reads no file a request names. Nodes pick a pin up through
+`kvstore.pins.apply_pins`, which this service runs for its own node after every create and delete (the
+answer's `node_pins` says what changed, or why it could not); `present_chunks` says how many of its chunks
+the bucket holds. Errors map to 404 (unknown pin or namespace), 409 (name taken), 413 (body too large), 422
+(bad input, a seed no engine of the namespace uses, or more tokens or chunks than `admin_max_tokens` /
+`admin_max_chunks`) and 503 (store or vLLM endpoint unavailable), each as JSON `{"detail": ...}`.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Annotated, Any
 
+import httpx
 from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response, status
 from kvstore.admin.auth import require_token
 from kvstore.admin.limits import check_tokens
@@ -21,6 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.config import JsonDict
 
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.hashing import DEFAULT_HASH_ALGO
+from kvstore.key_scheme import KeyScheme, check_scheme
 from kvstore.keys import KVCacheGroup, Namespace
 from kvstore.pins import (
     NAMESPACE_ID_PATTERN,
@@ -35,10 +43,10 @@ from kvstore.pins import (
     keys_for_tokens,
     list_pins,
     load_namespace,
-    tokens_from_messages,
-    tokens_from_prompt,
+    present_chunks,
 )
 from kvstore.runtime import Node
+from kvstore.vllm_api import ServedModel, VLLMError, find_served, tokenize_messages, tokenize_prompt
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +92,8 @@ _ONE_OF_EACH: JsonDict = {
         {
             "oneOf": [
                 _given({"token_ids": {"type": "array"}}, ("prompt", "messages")),
-                _given({"prompt": {"type": "string"}, "model_path": _TEXT}, ("token_ids", "messages")),
-                _given({"messages": {"type": "array"}, "model_path": _TEXT}, ("token_ids", "prompt")),
+                _given({"prompt": _TEXT}, ("token_ids", "messages")),
+                _given({"messages": {"type": "array"}}, ("token_ids", "prompt")),
             ]
         },
     ]
@@ -93,10 +101,14 @@ _ONE_OF_EACH: JsonDict = {
 
 
 class PinIn(BaseModel):
-    """One of `namespace` or `model` (+ layout fields); one of `token_ids`, `prompt`, `messages`."""
+    """One of `namespace` or `model` (+ layout fields); one of `token_ids`, `prompt`, `messages`.
 
-    # Strict: no coercion of `"1"` to a token id or of `false` to a number.
-    model_config = ConfigDict(strict=True, json_schema_extra=_ONE_OF_EACH)
+    `served_model` names the vLLM served model (one of the configured endpoints') that tokenizes a prompt or
+    messages (default: the first endpoint's first model); it may come with either namespace form."""
+
+    # Strict: no coercion of `"1"` to a token id or of `false` to a number. Unknown fields are refused, so a
+    # `vllm_url` or a `model_path` (which this service no longer takes) is a 422, never silently ignored.
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_ONE_OF_EACH)
 
     name: str = Field(json_schema_extra=PIN_NAME_SCHEMA)
     namespace: str | None = Field(default=None, json_schema_extra={"pattern": f"^{NAMESPACE_ID_PATTERN}$"})
@@ -111,9 +123,10 @@ class PinIn(BaseModel):
     parallel_agnostic: bool = False
     blocks_per_chunk: PositiveJsonInt = 1
     token_ids: list[JsonInt] | None = None
-    prompt: str | None = None
+    prompt: str | None = Field(default=None, min_length=1)
     messages: list[dict[str, Any]] | None = None
-    model_path: str | None = None
+    add_generation_prompt: bool = False  # for `messages`: a pin wants the shared head, without one
+    served_model: ModelName | None = None
     ttl_seconds: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
@@ -125,8 +138,6 @@ class PinIn(BaseModel):
         given = [k for k in ("token_ids", "prompt", "messages") if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError("give exactly one of 'token_ids', 'prompt' or 'messages'")
-        if given[0] != "token_ids" and not self.model_path:
-            raise ValueError(f"'{given[0]}' needs 'model_path' (the directory holding the tokenizer)")
         return self
 
 
@@ -173,37 +184,103 @@ def check_limits(namespace: Namespace, tokens: list[int], body: PinIn, node: Nod
     )
 
 
-def _tokens(body: PinIn) -> list[int]:
+# Tokenizing a prompt is one short request to the engine; a slow one must not hold an API thread for long.
+TOKENIZE_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a pin or warm request resolves to before any chunk is touched."""
+
+    namespace: Namespace
+    tokens: list[int]
+    scheme: KeyScheme
+    keys: list[str]
+    served: ServedModel | None  # the vLLM endpoint used (to tokenize), if one was
+    warnings: list[str]
+
+
+def served_model(body: PinIn, node: Node, http: httpx.Client) -> ServedModel:
+    """The configured endpoint serving `body.served_model` (the first one's first model when unnamed)."""
+    return find_served(http, node.settings.vllm_urls, body.served_model, timeout_s=TOKENIZE_TIMEOUT_S)
+
+
+def _check_served(namespace: Namespace, served: ServedModel) -> None:
+    # The namespace's model name is the engine's `--model`, which vLLM lists as the served model's root.
+    if served.root is not None and served.root != namespace.model_name:
+        raise ConfigError(
+            f"served model {served.name!r} at {served.base_url} runs {served.root!r}, but namespace "
+            f"{namespace.id} is for {namespace.model_name!r}: its tokens would not be this namespace's"
+        )
+
+
+def _tokens(
+    body: PinIn, namespace: Namespace, node: Node, http: httpx.Client
+) -> tuple[list[int], ServedModel | None]:
     if body.token_ids is not None:
-        return body.token_ids
-    assert body.model_path is not None
-    if body.prompt is not None:
-        return tokens_from_prompt(body.model_path, body.prompt)
-    assert body.messages is not None
-    return tokens_from_messages(body.model_path, body.messages)
+        return body.token_ids, None
+    served = served_model(body, node, http)
+    _check_served(namespace, served)
+    try:
+        if body.prompt is not None:
+            return tokenize_prompt(http, served, body.prompt, timeout_s=TOKENIZE_TIMEOUT_S), served
+        assert body.messages is not None
+        tokens = tokenize_messages(
+            http,
+            served,
+            body.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            timeout_s=TOKENIZE_TIMEOUT_S,
+        )
+        return tokens, served
+    except VLLMError as exc:
+        if 400 <= exc.status < 500:  # the engine refused this input (unknown model, a template error, ...)
+            raise ConfigError(f"could not tokenize: {exc}") from None
+        raise
+
+
+def prepare(body: PinIn, node: Node, http: httpx.Client, *, what: str) -> Prepared:
+    """Namespace, tokens (from the engine when not given), the engines' key scheme and the chunk keys;
+    `ConfigError` and friends for what makes the request unanswerable."""
+    namespace = _namespace(body, node)
+    tokens, served = _tokens(body, namespace, node, http)
+    check_limits(namespace, tokens, body, node)
+    scheme, warning = check_scheme(node.store, namespace)
+    keys = keys_for_tokens(
+        namespace, tokens, blocks_per_chunk=body.blocks_per_chunk, algo=scheme.hash_algo or DEFAULT_HASH_ALGO
+    )
+    if not keys:
+        raise ConfigError(
+            f"{len(tokens)} tokens make no full chunk "
+            f"(tokens_per_hash={namespace.tokens_per_hash}); nothing to {what}"
+        )
+    return Prepared(namespace, tokens, scheme, keys, served, [] if warning is None else [warning])
 
 
 @router.post("/pins", status_code=status.HTTP_201_CREATED, responses=errors(400, 404, 409, 413, 422, 503))
 def create(body: PinIn, request: Request) -> dict[str, Any]:
     node = _node(request)
     try:
-        namespace = _namespace(body, node)
-        tokens = _tokens(body)
-        check_limits(namespace, tokens, body, node)
-        keys = keys_for_tokens(namespace, tokens, blocks_per_chunk=body.blocks_per_chunk)
-        if not keys:
-            raise ConfigError(
-                f"{len(tokens)} tokens make no full chunk "
-                f"(tokens_per_hash={namespace.tokens_per_hash}); nothing to pin"
-            )
-        manifest = create_pin(node.store, body.name, namespace, keys, ttl_seconds=body.ttl_seconds)
+        with httpx.Client(timeout=TOKENIZE_TIMEOUT_S) as http:
+            ready = prepare(body, node, http, what="pin")
+        manifest = create_pin(
+            node.store, body.name, ready.namespace, ready.keys, ttl_seconds=body.ttl_seconds
+        )
     except NamespaceNotFound as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from None
     except PinExists as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
     except ConfigError as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
-    return {**_out(manifest), "num_tokens": len(tokens), "node_pins": _apply_here(node)}
+    return {
+        **_out(manifest),
+        "num_tokens": len(ready.tokens),
+        "present_chunks": present_chunks(node.store, manifest.keys),
+        "hash_algo": ready.scheme.hash_algo,
+        "seed_fingerprint": ready.scheme.seed_fingerprint,
+        "warnings": ready.warnings,
+        "node_pins": _apply_here(node),
+    }
 
 
 def _apply_here(node: Node) -> dict[str, Any]:
@@ -224,8 +301,11 @@ def list_all(request: Request, include_expired: bool = True) -> dict[str, Any]:
 
 @router.get("/pins/{name}", responses=errors(404, 422, 503))
 def read(name: PinName, request: Request) -> dict[str, Any]:
+    """The manifest, and how many of its chunks the bucket holds now (`present_chunks`)."""
+    store = _node(request).store
     try:
-        return _out(get_pin(_node(request).store, name))
+        manifest = get_pin(store, name)
+        return {**_out(manifest), "present_chunks": present_chunks(store, manifest.keys)}
     except PinNotFound as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from None
     except ConfigError as exc:

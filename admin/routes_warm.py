@@ -1,9 +1,12 @@
 """Admin routes for warming and node statistics: `POST /v1/warm` (a job) and `GET /v1/stats`.
 
-A warm request names the namespace and the prompt exactly like a pin request (`routes_pins.PinIn`, whose
-validation and parsing this module reuses). The namespace, tokens and pin name are checked before answering,
-so bad input is a 4xx at once (404 unknown namespace, 422 malformed); the warming itself (prefetching, a
-vLLM request, waiting for uploads) runs as a job in the registry `routes_gc` keeps (`GET /v1/jobs/{id}`).
+A warm request names the namespace, the prompt and the served model exactly like a pin request
+(`routes_pins.PinIn`, whose validation, tokenization through the engine and key scheme check this module
+reuses). Everything is checked before answering, so bad input is a 4xx at once (404 unknown namespace, 422
+malformed or a seed no engine of the namespace uses); the warming itself (prefetching, the prefill that
+produces missing chunks, waiting for uploads) runs as a job in the registry `routes_gc` keeps
+(`GET /v1/jobs/{id}`). The prefill goes to the configured endpoint (`vllm_urls`) that serves `served_model`,
+never to a URL from the request, and nothing the server answers is copied into the job.
 """
 
 from __future__ import annotations
@@ -16,13 +19,13 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from kvstore.admin.auth import require_token
 from kvstore.admin.openapi import AUTH_ERRORS, errors
 from kvstore.admin.routes_gc import _registry
-from kvstore.admin.routes_pins import PIN_NAME_SCHEMA, ModelName, PinIn, _namespace, _tokens, check_limits
+from kvstore.admin.routes_pins import PIN_NAME_SCHEMA, TOKENIZE_TIMEOUT_S, PinIn, prepare, served_model
 from kvstore.admin.status import Snapshot
 from pydantic import Field, field_validator
 from typing_extensions import override
 
 from kvstore.errors import ConfigError
-from kvstore.pins import NamespaceNotFound, keys_for_tokens, validate_pin_name
+from kvstore.pins import NamespaceNotFound, validate_pin_name
 from kvstore.runtime import Node
 from kvstore.stats import local_stats
 from kvstore.warm import warm
@@ -34,32 +37,18 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], tags=["w
 
 # mypy sees `kvstore.admin.*` as untyped (the folder is mapped by setuptools), hence the ignore.
 class WarmIn(PinIn):  # type: ignore[misc]
-    """Body of `POST /v1/warm`: the pin request's namespace and prompt fields, plus what to do.
+    """Body of `POST /v1/warm`: the pin request's namespace, prompt and served model, plus what to do.
 
-    `pin` names a pin manifest to write for the chunks (`ttl_seconds` is its TTL); `name` is not used."""
+    With `produce` and a configured vLLM endpoint, missing chunks are produced by one prefill on the endpoint
+    serving `served_model`. `pin` names a pin manifest to write for the chunks (`ttl_seconds` is its TTL);
+    `name` is not used."""
 
     name: str = Field(default="", description="unused by /v1/warm (see 'pin')")
-    vllm_url: str | None = Field(default=None, json_schema_extra={"pattern": "^https?://"})
-    model: ModelName | None = None  # vLLM's served model name; default: the first one it lists
+    produce: bool = True
     prefetch: bool = True
     pin: str | None = Field(default=None, json_schema_extra=PIN_NAME_SCHEMA)
     timeout_s: float = Field(default=120.0, gt=0, le=3600, allow_inf_nan=False)
     poll_s: float = Field(default=15.0, ge=0, le=3600, allow_inf_nan=False)
-
-    @field_validator("vllm_url")
-    @classmethod
-    def _http_url(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        if not value.startswith(("http://", "https://")):
-            raise ValueError("vllm_url must start with http:// or https://")
-        try:
-            host = httpx.URL(value).host
-        except (httpx.InvalidURL, ValueError) as exc:
-            raise ValueError(f"vllm_url is not a URL: {exc}") from None
-        if not host:
-            raise ValueError("vllm_url names no host")
-        return value
 
     @field_validator("pin")
     @classmethod
@@ -116,14 +105,8 @@ class CancellableTransport(httpx.BaseTransport):
 def start_warm(body: WarmIn, request: Request) -> dict[str, Any]:
     node: Node = request.app.state.node
     try:
-        namespace = _namespace(body, node)
-        tokens = _tokens(body)
-        check_limits(namespace, tokens, body, node)
-        if not keys_for_tokens(namespace, tokens, blocks_per_chunk=body.blocks_per_chunk):
-            raise ConfigError(
-                f"{len(tokens)} tokens make no full chunk "
-                f"(tokens_per_hash={namespace.tokens_per_hash}); nothing to warm"
-            )
+        with httpx.Client(timeout=TOKENIZE_TIMEOUT_S) as http:
+            ready = prepare(body, node, http, what="warm")
     except NamespaceNotFound as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from None
     except ConfigError as exc:
@@ -132,15 +115,16 @@ def start_warm(body: WarmIn, request: Request) -> dict[str, Any]:
     job = registry.create("warm")
     # A cancelled job stops waiting for vLLM at once (DELETE /v1/jobs/{id}).
     http = httpx.Client(timeout=body.timeout_s, transport=CancellableTransport(job.cancel))
+    produce = body.produce and bool(node.settings.vllm_urls)
 
     def work() -> dict[str, Any]:
         with http:
+            served = ready.served or (served_model(body, node, http) if produce else None)
             report = warm(
                 node,
-                namespace,
-                tokens,
-                vllm_url=body.vllm_url,
-                model=body.model,
+                ready.namespace,
+                ready.tokens,
+                vllm=served if produce else None,
                 prefetch=body.prefetch,
                 pin=body.pin,
                 pin_ttl_s=body.ttl_seconds,
@@ -150,9 +134,18 @@ def start_warm(body: WarmIn, request: Request) -> dict[str, Any]:
                 client=http,
                 cancel=job.cancel,
             )
-            return report.as_dict()
+            out = report.as_dict()
+            if body.produce and not produce and report.still_missing:
+                out["errors"].append("no vLLM endpoint is configured (vllm_urls) to produce missing chunks")
+            return out
 
-    accepted = {"id": job.id, "status": job.status, "namespace": namespace.id, "num_tokens": len(tokens)}
+    accepted = {
+        "id": job.id,
+        "status": job.status,
+        "namespace": ready.namespace.id,
+        "num_tokens": len(ready.tokens),
+        "warnings": ready.warnings,
+    }
     registry.run(job, work)
     return accepted
 

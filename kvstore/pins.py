@@ -28,6 +28,7 @@ from typing import Any
 
 from kvstore.cache.nvme import NVMeCache
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.hashing import DEFAULT_HASH_ALGO
 from kvstore.hashing import chunk_keys as _chunk_keys
 from kvstore.keys import CONFIG_FILENAME, Namespace
 from kvstore.pin_fence import fenced_pin_write
@@ -51,6 +52,7 @@ __all__ = [
     "list_pins",
     "load_namespace",
     "pinned_keys",
+    "present_chunks",
     "tokens_from_messages",
     "tokens_from_prompt",
     "validate_pin_name",
@@ -376,10 +378,21 @@ def load_namespace(store: ObjectStore, namespace_id: str, rank: int = 0) -> Name
 
 
 def keys_for_tokens(
-    namespace: Namespace, token_ids: Sequence[int], *, blocks_per_chunk: int = 1
+    namespace: Namespace,
+    token_ids: Sequence[int],
+    *,
+    blocks_per_chunk: int = 1,
+    algo: str = DEFAULT_HASH_ALGO,
+    seed: str | None = None,
 ) -> list[str]:
-    """The chunk keys of every full chunk of `token_ids` (all groups), as the vLLM tier names them."""
-    return _chunk_keys(namespace, token_ids, blocks_per_chunk=blocks_per_chunk)
+    """The chunk keys of every full chunk of `token_ids` (all groups), as the vLLM tier names them when its
+    engine hashes with `algo` and `seed` (see `kvstore.key_scheme.check_scheme` for the namespace's)."""
+    return _chunk_keys(namespace, token_ids, blocks_per_chunk=blocks_per_chunk, algo=algo, seed=seed)
+
+
+def present_chunks(store: ObjectStore, keys: Sequence[str], *, batch: int = 1000) -> int:
+    """How many of `keys` the bucket holds now (a pin's chunks exist only once an engine stored them)."""
+    return sum(sum(store.exists_many(list(keys[i : i + batch]))) for i in range(0, len(keys), batch))
 
 
 def tokens_from_prompt(

@@ -1,11 +1,13 @@
 """Warm the cache for a prompt before traffic arrives: make its chunks exist in the bucket and on this node.
 
-`warm(node, namespace, token_ids, ...)` names the prompt's chunks exactly as the vLLM tier will
-(`kvstore.pins.keys_for_tokens`), then for each chunk:
+`warm(node, namespace, token_ids, ...)` names the prompt's chunks exactly as the namespace's engines will
+(`kvstore.pins.keys_for_tokens` with the hash algorithm and seed they record, `kvstore.key_scheme`; a seed
+that matches none of them is refused), then for each chunk:
 
 - already on this node (NVMe or the upload queue): nothing to do;
 - in the bucket only: with `prefetch`, GET it, verify it and write it to this node's NVMe now (`prefetch`);
-- nowhere: with `vllm_url`, one completion request (`max_tokens=1`) makes a vLLM engine running our tier
+- nowhere: with a vLLM endpoint (`kvstore.vllm_api`), one completion request (`max_tokens=1`) makes an engine
+  running our tier
   compute the prompt's KV and store it; the tier uploads write-behind, so the bucket is polled until the
   chunks appear or `poll_s` runs out. Those chunks are not prefetched again here: the engine that produced
   them wrote them to its own NVMe cache (the same cache when it runs on this node).
@@ -29,38 +31,31 @@ import httpx
 from kvstore.engine import TieredStore
 from kvstore.engine.probes import Presence
 from kvstore.errors import ConfigError, KVStoreError, StoreError
+from kvstore.hashing import DEFAULT_HASH_ALGO
+from kvstore.key_scheme import check_scheme
 from kvstore.keys import Namespace
 from kvstore.pins import PinExists, create_pin, keys_for_tokens, load_namespace
 from kvstore.runtime import Node
+from kvstore.vllm_api import ServedModel, VLLMError, VLLMUnreachable, find_served, request_prefill
 
-__all__ = ["VLLMError", "VLLMUnreachable", "WarmError", "WarmReport", "prefetch", "request_prefill", "warm"]
+__all__ = [
+    "ServedModel",
+    "VLLMError",
+    "VLLMUnreachable",
+    "WarmError",
+    "WarmReport",
+    "prefetch",
+    "request_prefill",
+    "warm",
+]
 
 log = logging.getLogger(__name__)
 
 _POLL_INTERVAL_S = 0.25
-# A vLLM that accepts no TCP connection this long is unreachable, whatever `timeout_s` allows the prefill.
-_CONNECT_TIMEOUT_S = 10.0
 
 
 class WarmError(KVStoreError):
     """Warming could not do what was asked."""
-
-
-class VLLMUnreachable(WarmError):
-    """No vLLM server answered at the URL (connection refused, DNS, timeout)."""
-
-    def __init__(self, url: str, reason: str) -> None:
-        super().__init__(f"vLLM at {url} is unreachable: {reason}")
-        self.url = url
-
-
-class VLLMError(WarmError):
-    """The vLLM server answered, but not with a completion (bad model name, prompt too long, ...)."""
-
-    def __init__(self, url: str, status: int, detail: str) -> None:
-        super().__init__(f"vLLM at {url} answered {status}: {detail}")
-        self.url = url
-        self.status = status
 
 
 @dataclass(frozen=True)
@@ -78,6 +73,8 @@ class WarmReport:
     pin: str | None  # the pin manifest written, if any
     errors: tuple[str, ...]  # non-fatal problems (a chunk that failed to prefetch, a pin name taken, ...)
     seconds: float
+    hash_algo: str = DEFAULT_HASH_ALGO  # what the keys were computed with (the namespace's engines')
+    seed_fingerprint: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -91,53 +88,6 @@ def prefetch(engine: TieredStore, keys: Sequence[str], *, cancel: threading.Even
     Chunks are verified and admitted through the engine's one admission path (answers, events, metrics),
     exactly like object hits of a load. With `cancel` set, it stops before the next batch."""
     return engine.warm(keys, cancel=cancel)
-
-
-def request_prefill(
-    vllm_url: str,
-    token_ids: Sequence[int],
-    *,
-    model: str | None = None,
-    timeout_s: float = 120.0,
-    client: httpx.Client | None = None,
-) -> str:
-    """Ask a vLLM OpenAI server to process `token_ids` (one completion, `max_tokens=1`, greedy). Without
-    `model`, the server's first listed model is used. Returns the model name used."""
-    base = vllm_url.rstrip("/")
-    if not base.startswith(("http://", "https://")):
-        raise ConfigError(f"vllm_url must start with http:// or https://, got {vllm_url!r}")
-    own = client is None
-    http = client or httpx.Client(timeout=timeout_s)
-    try:
-        if model is None:
-            listing = _call(http, "GET", f"{base}/v1/models", base, None, timeout_s)
-            try:
-                model = str(listing["data"][0]["id"])
-            except (KeyError, IndexError, TypeError):
-                raise VLLMError(base, 200, "GET /v1/models listed no model") from None
-        body = {"model": model, "prompt": list(token_ids), "max_tokens": 1, "temperature": 0}
-        _call(http, "POST", f"{base}/v1/completions", base, body, timeout_s)
-        return model
-    finally:
-        if own:
-            http.close()
-
-
-def _call(
-    http: httpx.Client, method: str, url: str, base: str, body: dict[str, Any] | None, timeout_s: float
-) -> Any:
-    try:
-        timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, _CONNECT_TIMEOUT_S))
-        response = http.request(method, url, json=body, timeout=timeout)
-    except httpx.TransportError as exc:  # connect errors, timeouts, protocol errors
-        raise VLLMUnreachable(base, f"{type(exc).__name__}: {exc}") from None
-    if response.status_code >= 400:
-        detail = response.text[:500].strip() or response.reason_phrase
-        raise VLLMError(base, response.status_code, detail)
-    try:
-        return response.json()
-    except ValueError:
-        raise VLLMError(base, response.status_code, "answer is not JSON") from None
 
 
 def _exists(node: Node, keys: list[str]) -> list[bool]:
@@ -171,6 +121,7 @@ def warm(
     namespace: Namespace | str,
     token_ids: Sequence[int],
     *,
+    vllm: ServedModel | None = None,
     vllm_url: str | None = None,
     model: str | None = None,
     prefetch: bool = True,
@@ -183,19 +134,23 @@ def warm(
     cancel: threading.Event | None = None,
 ) -> WarmReport:
     """Make the chunks of `token_ids` present (see the module docstring). `namespace` is a `Namespace` or
-    the id of one published in the bucket. `timeout_s` bounds the vLLM request, `poll_s` the wait for its
-    uploads; `cancel`, once set, stops the prefetch before its next batch and the wait at its next poll.
-    Raises `NamespaceNotFound`, `ConfigError` (no full chunk, bad URL), `VLLMUnreachable`,
-    `VLLMError`."""
+    the id of one published in the bucket. Missing chunks are produced by `vllm` (a served model already
+    found), or by the model `model` (default: the first) at `vllm_url`. `timeout_s` bounds the vLLM request,
+    `poll_s` the wait for its uploads; `cancel`, once set, stops the prefetch before its next batch and the
+    wait at its next poll. Keys are hashed like the namespace's engines (`kvstore.key_scheme`). Raises
+    `NamespaceNotFound`, `ConfigError` (no full chunk, bad URL), `SeedMismatch` (no engine of the namespace
+    computes these keys), `VLLMUnreachable`, `VLLMError`."""
     started = time.monotonic()
     ns = load_namespace(node.store, namespace) if isinstance(namespace, str) else namespace
-    keys = list(dict.fromkeys(keys_for_tokens(ns, token_ids, blocks_per_chunk=blocks_per_chunk)))
+    scheme, warning = check_scheme(node.store, ns)
+    algo = scheme.hash_algo or DEFAULT_HASH_ALGO
+    keys = list(dict.fromkeys(keys_for_tokens(ns, token_ids, blocks_per_chunk=blocks_per_chunk, algo=algo)))
     if not keys:
         raise ConfigError(
             f"{len(token_ids)} tokens make no full chunk "
             f"(tokens_per_hash={ns.tokens_per_hash}); nothing to warm"
         )
-    errors: list[str] = []
+    errors: list[str] = [] if warning is None else [warning]
     where = node.engine.lookup(keys, wait=True)
     local = [k for k, p in zip(keys, where, strict=True) if p is Presence.LOCAL]
     remote = [k for k, p in zip(keys, where, strict=True) if p is Presence.REMOTE]
@@ -211,9 +166,16 @@ def warm(
         prefetched = _prefetch_checked(node, remote, missing, errors, cancel)
 
     produced = 0
-    if missing and vllm_url is not None:
-        used = request_prefill(vllm_url, token_ids, model=model, timeout_s=timeout_s, client=client)
-        log.info("asked vLLM at %s (model %s) to prefill %d tokens", vllm_url, used, len(token_ids))
+    if missing and (vllm is not None or vllm_url is not None):
+        own = client is None
+        http = client or httpx.Client(timeout=timeout_s)
+        try:
+            served = vllm or find_served(http, [vllm_url or ""], model, timeout_s=timeout_s)
+            request_prefill(http, served, token_ids, timeout_s=timeout_s)
+        finally:
+            if own:
+                http.close()
+        log.info("asked vLLM at %s (%s) to prefill %d tokens", served.base_url, served.name, len(token_ids))
         present = _wait_for(node, missing, poll_s, cancel)
         produced = sum(present)
         missing = [k for k, ok in zip(missing, present, strict=True) if not ok]
@@ -242,6 +204,8 @@ def warm(
         pin=pinned,
         errors=tuple(errors),
         seconds=round(time.monotonic() - started, 3),
+        hash_algo=algo,
+        seed_fingerprint=scheme.seed_fingerprint,
     )
 
 
@@ -250,8 +214,8 @@ def _prefetch_checked(
 ) -> int:
     """Prefetch `remote`; keys that turn out gone from the bucket move to `missing` (and `remote` shrinks)."""
     count = prefetch(node.engine, remote, cancel=cancel)
-    if count == len(remote):
-        return count
+    if count == len(remote) or (cancel is not None and cancel.is_set()):
+        return count  # cancelled: the rest was not fetched, which says nothing about the bucket
     cached = node.cache.contains_many(remote)
     gone = [k for k, ok in zip(remote, cached, strict=True) if not ok]
     errors.append(f"{len(gone)} chunks listed in the bucket could not be fetched or verified")

@@ -1,10 +1,12 @@
-"""The `/v1/pins` routes against a real node (real S3 server, real NVMe cache)."""
+"""The `/v1/pins` routes against a real node (real S3 server, real NVMe cache). Prompts are tokenized by the
+configured vLLM endpoint: a stand-in server with the tiny model's real tokenizer here (`vllm_standin`), vLLM
+itself in `tests/connector/test_warm_vllm.py`."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +16,11 @@ from kvstore.admin.app import create_app
 from kvstore.admin.routes_pins import router
 
 from kvstore.hashing import chunk_keys
+from kvstore.key_scheme import record_scheme, scheme_for
 from kvstore.keys import KVCacheGroup, Namespace
+from kvstore.pins import tokens_from_messages, tokens_from_prompt
 from kvstore.runtime import Node
+from tests.admin.vllm_standin import SECRET_ANSWER, VLLMStandIn
 
 NS = Namespace(
     model_name="org/tiny", tokens_per_hash=16, dtype="bfloat16", kv_cache_groups=(KVCacheGroup(16, ("l0",)),)
@@ -53,31 +58,125 @@ def test_pin_lifecycle_by_namespace_id(client: TestClient, node: Node) -> None:
     assert client.delete("/v1/pins/sys").status_code == 404
 
 
-def test_pin_by_model_fields_and_prompt(client: TestClient, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kvstore.connector.tiny_model import build_tiny_model
 
-    model = build_tiny_model(tmp_path / "tiny")
-    layout = {
-        "model": "org/tiny",
-        "tokens_per_hash": 16,
-        "dtype": "bfloat16",
-        "kv_cache_groups": [{"tokens_per_block": 16, "layer_names": ["l0"]}],
-    }
-    r = client.post(
-        "/v1/pins", json={"name": "p", **layout, "prompt": "the cache " * 30, "model_path": str(model)}
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture
+def vllm(tiny_dir: Path) -> Iterator[VLLMStandIn]:
+    standin = VLLMStandIn(tiny_dir, served="tiny", root=NS.model_name)
+    yield standin
+    standin.close()
+
+
+@pytest.fixture
+def served_client(
+    s3_server: Any, s3_store: Any, vllm: VLLMStandIn, open_test_node: Callable[..., Node], tmp_path: Path
+) -> TestClient:
+    """An admin service whose operator configured one vLLM endpoint (and a namespace its engines wrote)."""
+    url = f"s3://{s3_store.bucket}/{s3_store.prefix}"
+    node = open_test_node(
+        s3_server,
+        url,
+        cache_dir=tmp_path / "v",
+        admin_token="s3cret",
+        vllm_urls=[vllm.url, "http://127.0.0.1:9"],
     )
+    node.store.put(NS.config_key, json.dumps(NS.fields()).encode())
+    record_scheme(node.store, NS, scheme_for())
+    return TestClient(create_app(node), headers={"Authorization": "Bearer s3cret"})
+
+
+LAYOUT = {
+    "model": "org/tiny",
+    "tokens_per_hash": 16,
+    "dtype": "bfloat16",
+    "kv_cache_groups": [{"tokens_per_block": 16, "layer_names": ["l0"]}],
+}
+
+
+def test_prompts_and_messages_are_tokenized_by_the_served_engine(
+    served_client: TestClient, vllm: VLLMStandIn, tiny_dir: Path
+) -> None:
+    prompt = "the cache " * 30
+    r = served_client.post("/v1/pins", json={"name": "p", **LAYOUT, "prompt": prompt})
     assert r.status_code == 201, r.text
-    assert r.json()["namespace"] == NS.id and r.json()["keys"]
-    m = client.post(
-        "/v1/pins",
-        json={
-            "name": "m",
-            **layout,
-            "model_path": str(model),
-            "messages": [{"role": "system", "content": "You are a storage agent. " * 10}],
-        },
+    assert r.json()["namespace"] == NS.id and r.json()["keys"] == chunk_keys(
+        NS, tokens_from_prompt(tiny_dir, prompt)
+    )
+    assert vllm.calls("POST /tokenize") == [{"model": "tiny", "prompt": prompt, "add_special_tokens": True}]
+
+    system = [{"role": "system", "content": "You are a storage agent. " * 10}]
+    # A namespace id and the served model together (a 422 before), and messages in the served template.
+    m = served_client.post(
+        "/v1/pins", json={"name": "m", "namespace": NS.id, "served_model": "tiny", "messages": system}
     )
     assert m.status_code == 201, m.text
+    assert m.json()["keys"] == chunk_keys(NS, tokens_from_messages(tiny_dir, system))
+    assert vllm.calls("POST /tokenize")[-1] == {
+        "model": "tiny",
+        "messages": system,
+        "add_generation_prompt": False,
+        "add_special_tokens": False,
+    }
+    unknown = served_client.post(
+        "/v1/pins", json={"name": "u", "namespace": NS.id, "served_model": "other", "prompt": prompt}
+    )
+    assert unknown.status_code == 422 and "serves a model named 'other'" in unknown.json()["detail"]
+
+
+def test_the_service_takes_no_paths_and_no_urls_from_a_request(
+    client: TestClient, served_client: TestClient, node: Node, tiny_dir: Path
+) -> None:
+    node.store.put(NS.config_key, json.dumps(NS.fields()).encode())
+    path = served_client.post(
+        "/v1/pins", json={"name": "x", "namespace": NS.id, "prompt": "hi " * 40, "model_path": str(tiny_dir)}
+    )
+    assert path.status_code == 422 and "model_path" in path.text
+    url = served_client.post(
+        "/v1/pins", json={"name": "x", "namespace": NS.id, "prompt": "hi", "vllm_url": "http://evil:1"}
+    )
+    assert url.status_code == 422 and "vllm_url" in url.text
+    # No endpoint configured: a prompt cannot be tokenized here at all.
+    none = client.post("/v1/pins", json={"name": "x", "namespace": NS.id, "prompt": "hi " * 40})
+    assert none.status_code == 422 and "vllm_urls" in none.json()["detail"]
+
+
+def test_a_served_model_of_another_namespace_or_a_refusing_engine(
+    served_client: TestClient, vllm: VLLMStandIn
+) -> None:
+    other = Namespace(model_name="org/other", tokens_per_hash=16, dtype="bfloat16")
+    served_client.app.state.node.store.put(other.config_key, json.dumps(other.fields()).encode())
+    r = served_client.post("/v1/pins", json={"name": "o", "namespace": other.id, "prompt": "hi " * 40})
+    assert r.status_code == 422 and "runs 'org/tiny'" in r.json()["detail"]
+    vllm.refuse_with = 500
+    broken = served_client.post("/v1/pins", json={"name": "b", "namespace": NS.id, "prompt": "hi " * 40})
+    assert broken.status_code == 503 and vllm.url in broken.json()["detail"]
+    assert SECRET_ANSWER not in broken.text  # what the server said stays in the service's log
+
+
+def test_seeds_and_present_chunks(client: TestClient, node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    node.store.put(NS.config_key, json.dumps(NS.fields()).encode())
+    tokens = list(range(64))
+    old = client.post("/v1/pins", json={"name": "old", "namespace": NS.id, "token_ids": tokens})
+    assert old.status_code == 201 and "records no key scheme" in old.json()["warnings"][0]
+    assert old.json()["present_chunks"] == 0  # nothing stored yet: the pin protects nothing so far
+    keys = old.json()["keys"]
+    node.engine.store_many([(k, bytes(1024)) for k in keys[:3]])
+    assert node.engine.flush(30)
+    assert client.get("/v1/pins/old").json()["present_chunks"] == 3
+
+    record_scheme(node.store, NS, scheme_for("sha256", "1234"))  # the engines run with PYTHONHASHSEED=1234
+    refused = client.post("/v1/pins", json={"name": "new", "namespace": NS.id, "token_ids": tokens})
+    assert refused.status_code == 422 and "PYTHONHASHSEED" in refused.json()["detail"]
+    monkeypatch.setenv("PYTHONHASHSEED", "1234")
+    fine = client.post("/v1/pins", json={"name": "new", "namespace": NS.id, "token_ids": tokens})
+    assert fine.status_code == 201 and fine.json()["warnings"] == []
+    assert fine.json()["keys"] == chunk_keys(NS, tokens, seed="1234") != keys
 
 
 def test_errors(client: TestClient, node: Node) -> None:
@@ -87,8 +186,8 @@ def test_errors(client: TestClient, node: Node) -> None:
     assert missing.status_code == 404 and "not found" in missing.json()["detail"]
     both = client.post("/v1/pins", json={"name": "x", "namespace": NS.id, "model": "m", "token_ids": [1]})
     assert both.status_code == 422
-    no_path = client.post("/v1/pins", json={"name": "x", "namespace": NS.id, "prompt": "hi"})
-    assert no_path.status_code == 422
+    no_endpoint = client.post("/v1/pins", json={"name": "x", "namespace": NS.id, "prompt": "hi"})
+    assert no_endpoint.status_code in (404, 422)
     node.store.put(NS.config_key, json.dumps(NS.fields()).encode())
     short = client.post("/v1/pins", json={"name": "x", "namespace": NS.id, "token_ids": [1, 2, 3]})
     assert short.status_code == 422 and "no full chunk" in short.json()["detail"]

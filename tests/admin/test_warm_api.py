@@ -12,9 +12,11 @@ import pytest
 from fastapi.testclient import TestClient
 from kvstore.admin.app import create_app
 
+from kvstore.key_scheme import record_scheme, scheme_for
 from kvstore.keys import KVCacheGroup, Namespace
-from kvstore.pins import get_pin, keys_for_tokens
+from kvstore.pins import get_pin, keys_for_tokens, tokens_from_prompt
 from kvstore.runtime import Node
+from tests.admin.vllm_standin import SECRET_ANSWER, VLLMStandIn
 
 pytestmark = pytest.mark.integration
 
@@ -36,6 +38,7 @@ def nodes(
         for name in ("a", "b")
     )
     producer.store.put(NS.config_key, json.dumps(NS.fields()).encode())
+    record_scheme(producer.store, NS, scheme_for())  # as the producer's tier does at start-up
     keys = keys_for_tokens(NS, TOKENS)
     producer.engine.store_many([(k, bytes(2048)) for k in keys])
     assert producer.engine.flush(30)
@@ -89,11 +92,84 @@ def test_warm_by_model_layout_and_failed_job(client: TestClient) -> None:
     done = wait_job(client, client.post("/v1/warm", json=body).json()["id"])
     assert done["result"]["namespace"] == NS.id and done["result"]["remote"] == 4
     assert done["result"]["prefetched"] == 0
+    # No endpoint configured: missing chunks stay missing, and the job says why.
+    missing = {**body, "token_ids": list(range(1000, 1064))}
+    idle = wait_job(client, client.post("/v1/warm", json=missing).json()["id"])
+    assert idle["result"]["still_missing"] == 4 and any("vllm_urls" in e for e in idle["result"]["errors"])
 
-    # Missing chunks and a vLLM URL nobody listens on: the job fails and names the URL.
-    dead = {**body, "token_ids": list(range(1000, 1064)), "vllm_url": "http://127.0.0.1:9", "timeout_s": 2}
-    failed = wait_job(client, client.post("/v1/warm", json=dead).json()["id"])
-    assert failed["status"] == "failed" and "http://127.0.0.1:9" in failed["error"], failed
+
+@pytest.fixture
+def vllm(tmp_path: Path) -> Any:
+    from kvstore.connector.tiny_model import build_tiny_model
+
+    standin = VLLMStandIn(build_tiny_model(tmp_path / "tiny"), served="tiny", root=NS.model_name)
+    yield standin
+    standin.close()
+
+
+def served_client(
+    open_test_node: Callable[..., Node], s3_server: Any, s3_store: Any, tmp_path: Path, *urls: str
+) -> TestClient:
+    url = f"s3://{s3_store.bucket}/{s3_store.prefix}"
+    node = open_test_node(
+        s3_server, url, cache_dir=tmp_path / "served", admin_token="s3cret", vllm_urls=list(urls)
+    )
+    return TestClient(create_app(node), headers=AUTH)
+
+
+def test_missing_chunks_are_produced_by_the_configured_engine(
+    nodes: tuple[Node, Node],
+    vllm: VLLMStandIn,
+    open_test_node: Callable[..., Node],
+    s3_server: Any,
+    s3_store: Any,
+    tmp_path: Path,
+) -> None:
+    producer, _ = nodes
+    client = served_client(open_test_node, s3_server, s3_store, tmp_path, vllm.url)
+    prompt = "a returning user " * 40
+    tokens = tokens_from_prompt(vllm.model_dir, prompt)
+
+    def prefill(token_ids: list[int]) -> None:  # what an engine running our tier does with the prompt
+        producer.engine.store_many([(k, bytes(2048)) for k in keys_for_tokens(NS, token_ids)])
+        producer.engine.flush(30)
+
+    vllm.on_prefill = prefill
+    body = {"namespace": NS.id, "served_model": "tiny", "prompt": prompt, "poll_s": 20}
+    accepted = client.post("/v1/warm", json=body)
+    assert accepted.status_code == 202, accepted.text
+    assert accepted.json()["num_tokens"] == len(tokens) and accepted.json()["warnings"] == []
+    job = wait_job(client, accepted.json()["id"])
+    assert job["status"] == "done", job
+    total = len(keys_for_tokens(NS, tokens))
+    assert (job["result"]["produced"], job["result"]["still_missing"]) == (total, 0)
+    assert vllm.calls("POST /v1/completions") == [
+        {"model": "tiny", "prompt": tokens, "max_tokens": 1, "temperature": 0}
+    ]
+
+
+def test_a_request_names_no_url_and_gets_no_answer_of_the_server(
+    nodes: tuple[Node, Node],
+    vllm: VLLMStandIn,
+    open_test_node: Callable[..., Node],
+    s3_server: Any,
+    s3_store: Any,
+    tmp_path: Path,
+) -> None:
+    client = served_client(open_test_node, s3_server, s3_store, tmp_path, vllm.url)
+    body = {"namespace": NS.id, "token_ids": list(range(2000, 2064))}
+    refused = client.post("/v1/warm", json={**body, "vllm_url": "http://169.254.169.254/latest"})
+    assert refused.status_code == 422 and "vllm_url" in refused.text
+    assert vllm.requests == []
+    vllm.refuse_with = 400
+    failed = wait_job(client, client.post("/v1/warm", json=body).json()["id"])
+    assert failed["status"] == "failed" and vllm.url in failed["error"], failed
+    assert SECRET_ANSWER not in json.dumps(failed)
+
+    # An endpoint nobody listens on: the job fails and names it.
+    dead = served_client(open_test_node, s3_server, s3_store, tmp_path / "dead", "http://127.0.0.1:9")
+    job = wait_job(dead, dead.post("/v1/warm", json={**body, "timeout_s": 2}).json()["id"])
+    assert job["status"] == "failed" and "http://127.0.0.1:9" in job["error"], job
 
 
 def test_stats(client: TestClient) -> None:
@@ -122,9 +198,10 @@ def test_auth(nodes: tuple[Node, Node]) -> None:
         {"token_ids": TOKENS},  # no namespace
         {"namespace": NS.id},  # no tokens
         {"namespace": NS.id, "token_ids": TOKENS, "prompt": "x"},  # two token sources
-        {"namespace": NS.id, "prompt": "hello"},  # prompt without model_path
+        {"namespace": NS.id, "prompt": "hello"},  # a prompt, and no vLLM endpoint configured to tokenize it
         {"namespace": NS.id, "token_ids": "1,2,3"},
-        {"namespace": NS.id, "token_ids": TOKENS, "vllm_url": "localhost:8000"},
+        {"namespace": NS.id, "token_ids": TOKENS, "vllm_url": "http://localhost:8000"},  # never from a body
+        {"namespace": NS.id, "token_ids": TOKENS, "model_path": "/etc"},
         {"namespace": NS.id, "token_ids": TOKENS, "pin": "bad/name"},
         {"namespace": NS.id, "token_ids": TOKENS, "timeout_s": 0},
         {"namespace": NS.id, "token_ids": TOKENS[:10]},  # no full chunk

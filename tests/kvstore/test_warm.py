@@ -19,6 +19,7 @@ import pytest
 
 from kvstore.chunk import encode
 from kvstore.errors import ConfigError
+from kvstore.key_scheme import KeyScheme, SeedMismatch, record_scheme, scheme_for
 from kvstore.keys import KVCacheGroup, Namespace
 from kvstore.pins import NamespaceNotFound, get_pin, keys_for_tokens
 from kvstore.runtime import Node
@@ -44,9 +45,15 @@ def make_node(
     return lambda name: open_test_node(s3_server, url, cache_dir=tmp_path / name, cache_bytes=16 << 20)
 
 
+def publish(node: Node, scheme: KeyScheme | None = None) -> None:
+    """Describe the namespace as a tier does at start-up: its config and its engine's key scheme."""
+    node.store.put(NS.config_key, json.dumps(NS.fields()).encode())
+    record_scheme(node.store, NS, scheme or scheme_for())
+
+
 def seed(node: Node, keys: list[str]) -> None:
     """Publish the namespace and store `keys` through the node's engine (NVMe + write-behind upload)."""
-    node.store.put(NS.config_key, json.dumps(NS.fields()).encode())
+    publish(node)
     node.engine.store_many([(k, raw_for(k)) for k in keys])
     assert node.engine.flush(30)
 
@@ -164,7 +171,7 @@ def test_vllm_request_produces_chunks(make_node: Callable[[str], Node]) -> None:
 
 def test_vllm_error_and_chunks_that_never_appear(make_node: Callable[[str], Node]) -> None:
     b = make_node("b")
-    b.store.put(NS.config_key, json.dumps(NS.fields()).encode())
+    publish(b)
 
     def refuses(request: httpx.Request) -> httpx.Response:
         return httpx.Response(400, json={"message": "model 'nope' does not exist"})
@@ -175,8 +182,11 @@ def test_vllm_error_and_chunks_that_never_appear(make_node: Callable[[str], Node
     ):
         warm(b, NS.id, TOKENS, vllm_url="http://vllm:8000", model="nope", client=client)
     assert info.value.status == 400
+    assert "does not exist" not in str(info.value)  # a server's answer is logged here, never passed on
 
     def ignores(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
         return httpx.Response(200, json={"choices": [{"text": "x"}]})
 
     with httpx.Client(transport=httpx.MockTransport(ignores)) as client:
@@ -199,8 +209,34 @@ def test_keeps_kvstore_free_of_vllm_and_torch() -> None:
 def test_a_remembered_miss_does_not_hide_a_new_chunk(make_node: Callable[[str], Node]) -> None:
     keys = keys_for_tokens(NS, TOKENS)
     a, b = make_node("a"), make_node("b")
-    a.store.put(NS.config_key, json.dumps(NS.fields()).encode())
+    publish(a)
     assert warm(b, NS.id, TOKENS).still_missing == 10  # b's engine now remembers 10 misses
     seed(a, keys)
     report = warm(b, NS.id, TOKENS)
     assert (report.remote, report.prefetched, report.still_missing) == (10, 10, 0)
+
+
+def test_keys_follow_the_namespace_engines_or_are_refused(
+    make_node: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    a, b = make_node("a"), make_node("b")
+    cbor = scheme_for("sha256_cbor", "11")
+    publish(a, cbor)  # the engines hash with sha256_cbor and PYTHONHASHSEED=11
+    with pytest.raises(SeedMismatch, match="set PYTHONHASHSEED as they do"):
+        warm(b, NS.id, TOKENS)  # this shell's seed names chunks no engine of the namespace writes
+    monkeypatch.setenv("PYTHONHASHSEED", "11")
+    keys = keys_for_tokens(NS, TOKENS, algo="sha256_cbor", seed="11")
+    a.engine.store_many([(k, raw_for(k)) for k in keys])
+    assert a.engine.flush(30)
+    report = warm(b, NS.id, TOKENS, pin="cbor")
+    assert (report.hash_algo, report.seed_fingerprint) == ("sha256_cbor", cbor.seed_fingerprint)
+    assert (report.remote, report.prefetched, report.errors) == (10, 10, ())
+    assert list(get_pin(b.store, "cbor").keys) == keys
+
+
+def test_a_namespace_without_records_warns(make_node: Callable[[str], Node]) -> None:
+    b = make_node("b")
+    b.store.put(NS.config_key, json.dumps(NS.fields()).encode())  # written before engines recorded schemes
+    report = warm(b, NS.id, TOKENS)
+    assert any("records no key scheme" in e for e in report.errors), report.errors
