@@ -54,7 +54,8 @@ def store_health(snapshot: Snapshot[None], url: str) -> dict[str, Any]:
 
 def create_app(node: Node) -> FastAPI:
     # With `events_endpoint` set, GC publishes BlockRemoved for what it deletes; a bad endpoint fails here.
-    publisher = open_publisher(node.settings.events_endpoint)
+    # Its events name the bucket copy as the tiers do (`object_locality`), so routers match them up.
+    publisher = open_publisher(node.settings.events_endpoint, locality=node.settings.object_locality)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
