@@ -186,7 +186,7 @@ def bench_scheduler(
                 tier.submit_load(TransferJob(job_id, load_keys, ids + slots // 2, True, req))
                 in_flight += len(load_keys)
             in_flight += 32
-            tier.on_schedule_end(None)
+            tier.on_schedule_end(None)  # type: ignore[arg-type]  # the standalone scheduler has no context
             elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
             if step_interval_s:
                 time.sleep(step_interval_s)

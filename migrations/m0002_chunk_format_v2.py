@@ -51,9 +51,9 @@ def _migrate_index(ctx: MigrationContext) -> None:
         raw = txn.get(b"schema_version", db=meta)
         if raw is not None and _U64.unpack(raw)[0] >= VERSION:
             return  # another process migrated it first
-        for key, value in txn.cursor(db=entries):
+        for raw_key, value in txn.cursor(db=entries):
             if len(value) == _V1_ENTRY.size:
-                dropped.append((key.decode(), _V1_ENTRY.unpack(value)[3]))
+                dropped.append((raw_key.decode(), _V1_ENTRY.unpack(value)[3]))
         txn.drop(entries, delete=False)
         txn.drop(lru, delete=False)
         for name in (b"used_bytes", b"entries", b"upload_bytes", b"upload_entries"):
