@@ -10,13 +10,22 @@ API (the only thing tests need)::
     run = run_engine(model_dir, prompts, kv_transfer_config=cfg, max_tokens=8)
     run.results[i].num_cached_tokens   # prefix-cache + connector hits for prompt i
     run.results[i].token_ids           # greedy (temperature 0) output tokens
-    run.metric("vllm:external_prefix_cache_hits")   # engine metrics (LLM.get_metrics)
+    run.metric("vllm:external_prefix_cache_hits")   # engine metrics (LLM.get_metrics); a name
+                                                    # vLLM does not declare raises UnknownMetric
+    run.results[i].kv_digests          # with kv_digests=True: sha256 of the KV the engine holds
+                                       # for each full block of prompt i, all layers
     run.start_s, run.wall_s            # engine start time, whole-subprocess time
     run.kv_events                      # with capture_kv_events=True: decoded KVEventBatch
                                        # dicts, e.g. {"type": "BlockStored", "medium": ...}
 
 Prompts run one ``generate`` call at a time, in order, so a later prompt sees what an
 earlier one stored. This file is also the subprocess entry point (``__main__`` guard).
+
+Why KV digests: greedy tokens of the tiny model hardly depend on early context, so equal output
+proves nothing about the bytes a tier loaded. The digests are of the engine's own KV-cache blocks
+after the request ran (read through the CPU worker's block views, so ``CPUTieringSpec`` must be
+configured): a block loaded from a tier must be bit-identical to the block a cold engine computed
+for the same tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ __all__ = [
     "EngineError",
     "EngineRun",
     "RequestResult",
+    "UnknownMetric",
     "remove_new_shm",
     "run_engine",
     "shm_in_use",
@@ -58,6 +68,8 @@ class RequestResult:
     text: str
     # Per output position: {token_id: logprob} of the top candidates (when requested).
     logprobs: list[dict[int, float]] | None = None
+    # With kv_digests=True: sha256 (hex) of each full prompt block's KV in the engine, all layers.
+    kv_digests: list[str] | None = None
 
 
 @dataclass
@@ -75,9 +87,17 @@ class EngineRun:
     # What the engine left in /dev/shm and its private TMPDIR (removed by the harness).
     leftovers: list[str] = field(default_factory=list)
     log_tail: str = ""
+    # Every metric name the engine's registry declares (histograms as name_count and name_sum), whether
+    # or not it has a sample yet.
+    metric_names: frozenset[str] = frozenset()
 
     def metric(self, name: str, **labels: str) -> float:
-        """Sum of a metric over every label set that includes ``labels``."""
+        """Sum of a metric over every label set that includes ``labels``: 0 for a declared metric that has
+        counted nothing (yet) for them; ``UnknownMetric`` for a name the engine does not declare, so a
+        renamed or lost metric fails the test instead of reading as 0."""
+        if name not in self.metric_names:
+            similar = sorted(n for n in self.metric_names if n[:12] == name[:12])
+            raise UnknownMetric(f"the engine declares no metric {name!r} (similar: {similar})")
         total = 0.0
         for key, value in self.metrics.items():
             base, _, rest = key.partition("{")
@@ -91,6 +111,10 @@ class EngineRun:
 
 class EngineError(RuntimeError):
     """The engine subprocess failed; the message carries its log tail."""
+
+
+class UnknownMetric(LookupError):
+    """A metric name the engine does not declare (renamed, or never registered)."""
 
 
 def vllm_child_env(child_tmp: Path, extra: Mapping[str, str]) -> dict[str, str]:
@@ -126,6 +150,7 @@ def run_engine(
     capture_kv_events: bool = False,
     max_tokens: int = 8,
     logprobs: int | None = None,
+    kv_digests: bool = False,
     max_model_len: int = 8192,
     kv_cache_bytes: int = 256 * 2**20,
     settle_s: float = 1.0,
@@ -143,7 +168,9 @@ def run_engine(
     on an ipc socket and subscribes to it inside the subprocess. ``between(i)`` runs in this
     process after prompt ``i`` finished and before prompt ``i + 1`` starts, while the engine
     waits (e.g. to stop a server mid-run). New /dev/shm entries and the engine's private
-    TMPDIR are removed whatever happens.
+    TMPDIR are removed whatever happens. ``kv_digests`` records each request's KV blocks (see the
+    module docstring; needs ``CPUTieringSpec`` in ``kv_transfer_config``). A failure to collect the
+    metrics or the digests fails the run (``EngineError``).
     """
     spec = {
         "model": str(model),
@@ -153,6 +180,7 @@ def run_engine(
         "capture_kv_events": capture_kv_events,
         "max_tokens": max_tokens,
         "logprobs": logprobs,
+        "kv_digests": kv_digests,
         "max_model_len": max_model_len,
         "kv_cache_bytes": kv_cache_bytes,
         "settle_s": settle_s,
@@ -203,6 +231,7 @@ def run_engine(
             start_s=out["start_s"],
             generate_s=out["generate_s"],
             kv_events=out["kv_events"],
+            metric_names=frozenset(out["metric_names"]),
             wall_s=wall,
             leftovers=leftovers,
             log_tail=_tail(log_path),
@@ -326,6 +355,71 @@ def _flat_metrics(metrics: list[Any]) -> dict[str, float]:
     return flat
 
 
+def _declared_metric_names() -> list[str]:
+    """Every vLLM metric the process registry declares, as `_flat_metrics` names them."""
+    from prometheus_client import REGISTRY
+
+    names: list[str] = []
+    for family in REGISTRY.collect():
+        if not family.name.startswith("vllm:"):
+            continue
+        names.append(family.name)
+        if family.type == "histogram":
+            names += [f"{family.name}_count", f"{family.name}_sum"]
+    return names
+
+
+class _BlockRecorder:
+    """Which KV-cache blocks each request holds, and a digest of what the engine keeps in them.
+
+    Instruments the in-process engine (the harness runs the engine core and the worker in this process):
+    `KVCacheManager.allocate_slots` is wrapped to note each request's block ids after every allocation,
+    and the `CPUCopyWorker` (our spec's worker) is noted when built, for its per-tensor block views
+    (``(num_blocks, page_bytes)`` over the engine's KV cache, the exact bytes a tier stores and loads)."""
+
+    def __init__(self) -> None:
+        from kvstore.connector import cpu
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+        self.blocks: dict[str, list[int]] = {}
+        self.workers: list[Any] = []
+        allocate = KVCacheManager.allocate_slots
+        worker_init = cpu.CPUCopyWorker.__init__
+        recorder = self
+
+        def allocate_slots(manager: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            blocks = allocate(manager, request, *args, **kwargs)
+            if blocks is not None:
+                recorder.blocks[request.request_id] = list(manager.get_block_ids(request.request_id)[0])
+            return blocks
+
+        def init(worker: Any, *args: Any, **kwargs: Any) -> None:
+            worker_init(worker, *args, **kwargs)
+            recorder.workers.append(worker)
+
+        setattr(KVCacheManager, "allocate_slots", allocate_slots)  # noqa: B010 - instrumentation
+        setattr(cpu.CPUCopyWorker, "__init__", init)  # noqa: B010 - instrumentation
+
+    def digests(self, request_ids: list[str], num_blocks: int) -> list[str]:
+        import hashlib
+
+        if len(self.workers) != 1:
+            raise RuntimeError(f"kv_digests needs CPUTieringSpec's worker; found {len(self.workers)}")
+        if len(request_ids) != 1:
+            raise RuntimeError(f"expected one new request per generate, got {request_ids}")
+        block_ids = self.blocks[request_ids[0]][:num_blocks]
+        if len(block_ids) < num_blocks:
+            raise RuntimeError(f"request holds {len(block_ids)} blocks, expected {num_blocks}")
+        pairs = self.workers[0]._pairs
+        out = []
+        for block in block_ids:
+            h = hashlib.sha256()
+            for pair in pairs:
+                h.update(pair.device[block].contiguous().numpy().tobytes())
+            out.append(h.hexdigest())
+        return out
+
+
 class _EventCollector:
     """Subscribes to vLLM's KV-event publisher and decodes each ``KVEventBatch``.
 
@@ -407,7 +501,9 @@ def _child(work: Path) -> None:
     elif spec["kv_events_config"] is not None:
         kwargs["kv_events_config"] = spec["kv_events_config"]
     kwargs.update(spec["engine_args"])
+    recorder = _BlockRecorder() if spec["kv_digests"] else None
     llm = LLM(**kwargs)
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
     start_s = time.perf_counter() - t0
 
     params = SamplingParams(
@@ -423,12 +519,18 @@ def _child(work: Path) -> None:
                 while not (work / f"resume_{i - 1}").exists():
                     time.sleep(0.05)
         p = TokensPrompt(prompt_token_ids=prompt) if isinstance(prompt, list) else prompt
+        known = set(recorder.blocks) if recorder is not None else set()
         g0 = time.perf_counter()
         (out,) = llm.generate([p], params, use_tqdm=False)
         generate_s.append(time.perf_counter() - g0)
+        prompt_len = len(out.prompt_token_ids or [])
+        digests = None
+        if recorder is not None:  # read now: the next request may take these blocks
+            new = [r for r in recorder.blocks if r not in known]
+            digests = recorder.digests(new, prompt_len // block_size)
         results.append(
             {
-                "prompt_len": len(out.prompt_token_ids or []),
+                "prompt_len": prompt_len,
                 "num_cached_tokens": int(out.num_cached_tokens or 0),
                 "token_ids": list(out.outputs[0].token_ids),
                 "text": out.outputs[0].text,
@@ -437,19 +539,20 @@ def _child(work: Path) -> None:
                     if out.outputs[0].logprobs is not None
                     else None
                 ),
+                "kv_digests": digests,
             }
         )
     time.sleep(spec["settle_s"])
-    try:
-        metrics = _flat_metrics(llm.get_metrics())
-    except Exception:  # metrics are best effort; results matter more
-        metrics = {}
+    # No fallback: a run whose metrics cannot be read must fail, not report every metric as 0.
+    metrics = _flat_metrics(llm.get_metrics())
+    metric_names = _declared_metric_names()
     events = collector.close() if collector is not None else []
     (work / "result.json").write_text(
         json.dumps(
             {
                 "results": results,
                 "metrics": metrics,
+                "metric_names": metric_names,
                 "start_s": start_s,
                 "generate_s": generate_s,
                 "kv_events": events,
