@@ -220,3 +220,58 @@ def test_unknown_kvstore_variables_are_warned_by_name(
     with caplog.at_level("WARNING", logger="kvstore.config"):
         assert load_settings().cache_bytes == 12345
     assert "KVSTORE_CACHE_BYTE:" in caplog.text and "KVSTORE_CACHE_BYTES" not in caplog.text
+
+
+# -- the README's configuration table, and the AWS variables
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """No KVSTORE_ or AWS_ variables from the caller; XDG_DATA_HOME unset, HOME in `tmp_path`."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith(("KVSTORE_", "AWS_")) or name == "XDG_DATA_HOME":
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_defaults_are_the_documented_ones(clean_env: Path) -> None:
+    s = load_settings()
+    assert s.store_url == "" and s.stores == []  # the embedded server
+    assert s.s3_endpoint is None and s.access_key is None and s.secret_key is None and s.region is None
+    assert s.cache_dir == clean_env / ".local" / "share" / "kvstore" / "cache"
+    assert s.data_dir == clean_env / ".local" / "share" / "kvstore"
+    assert s.cache_bytes == 50 * 2**30 and s.codec == "none" and s.direct_io is True
+    assert (s.io_workers, s.disk_workers, s.upload_workers) == (16, 8, 8)
+    assert s.load_timeout_s == 5 and s.outage_cooldown_s == 5
+    assert (s.probe_hit_ttl_s, s.probe_miss_ttl_s) == (600, 2)
+    assert s.prefetch_bytes == 256 * 2**20 and s.pin_sync_s == 60
+    assert (s.admin_host, s.admin_port, s.admin_token) == ("127.0.0.1", 8750, None)
+    assert s.events_endpoint == ""
+    assert s.admin_max_body_bytes == 4 * 2**20 and s.admin_max_tokens == 262_144
+    assert s.admin_max_chunks == 65_536
+    assert (s.remote_workers, s.remote_timeout_s, s.remote_cooldown_s) == (4, 1.5, 30)
+    assert s.remote_copy_queue_bytes == 256 * 2**20
+
+
+def test_xdg_data_home_moves_the_default_directories(
+    clean_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_DATA_HOME", str(clean_env / "xdg"))
+    assert load_settings().cache_dir == clean_env / "xdg" / "kvstore" / "cache"
+
+
+def test_aws_endpoint_url_and_region(clean_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://minio:9000")
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    settings = load_settings(store_url="s3://bucket/prefix")
+    assert settings.s3_endpoint == "http://minio:9000" and settings.region == "eu-west-1"
+    [local] = settings.stores
+    assert (local.endpoint, local.region) == ("http://minio:9000", "eu-west-1")
+    monkeypatch.setenv("KVSTORE_S3_ENDPOINT", "http://ours:9000")  # the kvstore name wins
+    assert load_settings().s3_endpoint == "http://ours:9000"
+    monkeypatch.delenv("AWS_REGION")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "ap-south-1")
+    assert load_settings().region == "ap-south-1"

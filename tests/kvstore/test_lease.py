@@ -10,16 +10,9 @@ import pytest
 from kvstore.errors import KVStoreError
 from kvstore.lease import Lease, LeaseHeld, LeaseLost, lease_key, read_lease
 from kvstore.stores import MemoryStore
+from tests.helpers import FakeClock
 
 pytestmark = pytest.mark.integration
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_acquire_refuse_release(s3_store: Any) -> None:
@@ -39,7 +32,7 @@ def test_acquire_refuse_release(s3_store: Any) -> None:
 
 
 def test_stale_lease_is_taken_over(s3_store: Any) -> None:
-    clock = Clock()
+    clock = FakeClock(1_000_000.0)
     crashed = Lease(s3_store, "gc", ttl_s=30, holder="crashed", clock=clock)
     crashed.acquire()  # and never released: the process "died"
     with pytest.raises(LeaseHeld):
@@ -67,7 +60,7 @@ def test_unreadable_lease_counts_as_expired(s3_store: Any) -> None:
 
 def test_renew_extends_expiry() -> None:
     store = MemoryStore("lease")
-    clock = Clock()
+    clock = FakeClock(1_000_000.0)
     lease = Lease(store, "gc", ttl_s=30, clock=clock)
     lease.acquire()
     clock.now += 20
@@ -80,7 +73,7 @@ def test_renew_extends_expiry() -> None:
 
 
 def test_racing_takeover_has_one_winner(s3_store: Any) -> None:
-    clock = Clock()
+    clock = FakeClock(1_000_000.0)
     Lease(s3_store, "gc", ttl_s=5, holder="dead", clock=clock).acquire()
     clock.now += 10
     barrier = threading.Barrier(6)

@@ -4,14 +4,7 @@ from __future__ import annotations
 
 from kvstore.engine.io import Fetched
 from kvstore.engine.prefetch import PrefetchBuffer
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers import FakeClock
 
 
 def held(key: str, size: int, region: str | None = None) -> Fetched:
@@ -32,7 +25,7 @@ def test_buffer_is_bounded_by_bytes_and_hands_each_chunk_out_once() -> None:
 
 
 def test_buffer_drops_what_no_load_takes_in_time() -> None:
-    clock = Clock()
+    clock = FakeClock(0.0)
     buffer = PrefetchBuffer(10, ttl_s=5.0, clock=clock)
     assert buffer.offer(held("old", 10))
     clock.now = 6.0
