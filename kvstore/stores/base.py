@@ -12,12 +12,14 @@ import abc
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Self, TypeAlias
+from typing import Any, Self, TypeAlias
 
-__all__ = ["Data", "ObjectInfo", "ObjectStore", "as_bytes_view", "check_range", "validate_key"]
+__all__ = ["Buffer", "Data", "ObjectInfo", "ObjectStore", "as_bytes_view", "check_range", "validate_key"]
 
 # What `put` accepts: callers hand over slices of big buffers without copying them first.
 Data: TypeAlias = bytes | bytearray | memoryview
+# What `get_chunk` returns: anything with the buffer protocol (bytes, or a client's own response buffer).
+Buffer: TypeAlias = bytes | bytearray | memoryview | Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,11 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def get(self, key: str) -> bytes | None:
         """The object's bytes, or `None` if it does not exist."""
+
+    def get_chunk(self, key: str) -> Buffer | None:
+        """The object as a buffer, for the data path: a backend may hand out its own memory instead of a
+        copy (obstore's response body). Same semantics as `get` otherwise."""
+        return self.get(key)
 
     @abc.abstractmethod
     def get_range(self, key: str, start: int, length: int) -> bytes | None:

@@ -36,7 +36,7 @@ from kvstore.chunk import verify
 from kvstore.errors import ChunkError, ConfigError, StoreError
 from kvstore.keys import is_chunk_key
 from kvstore.metrics import EngineMetrics
-from kvstore.stores.base import Data, ObjectInfo, ObjectStore
+from kvstore.stores.base import Buffer, Data, ObjectInfo, ObjectStore
 
 __all__ = ["RegionalStore", "get_located"]
 
@@ -45,11 +45,11 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-def get_located(store: ObjectStore, key: str) -> tuple[bytes | None, str | None]:
-    """`store.get(key)` plus the name of the region that answered (None for a single-region store)."""
+def get_located(store: ObjectStore, key: str) -> tuple[Buffer | None, str | None]:
+    """`store.get_chunk(key)` plus the name of the region that answered (None for a single-region store)."""
     if isinstance(store, RegionalStore):
         return store.get_located(key)
-    return store.get(key), None
+    return store.get_chunk(key), None
 
 
 def _exists_many(store: ObjectStore, keys: Sequence[str]) -> list[bool]:
@@ -142,16 +142,16 @@ class RegionalStore(ObjectStore):
 
     # -- reads: local first, remotes for what is missing --
 
-    def get_located(self, key: str) -> tuple[bytes | None, str | None]:
+    def get_located(self, key: str) -> tuple[Buffer | None, str | None]:
         """The object's bytes and the name of the region that had them, or (None, None)."""
-        blob = self._local.get(key)
+        blob = self._local.get_chunk(key)
         if blob is not None:
             return blob, self.local_name
         if not is_chunk_key(key):
             return None, None
         deadline = time.monotonic() + self._timeout
         for remote in self._remotes:
-            found = self._ask(remote, deadline, lambda store: store.get(key))
+            found = self._ask(remote, deadline, lambda store: store.get_chunk(key))
             if found is not None:
                 self._copy_later(key, found, remote.name)
                 return found, remote.name
@@ -159,6 +159,11 @@ class RegionalStore(ObjectStore):
 
     @override
     def get(self, key: str) -> bytes | None:
+        blob = self.get_located(key)[0]
+        return None if blob is None else bytes(blob)
+
+    @override
+    def get_chunk(self, key: str) -> Buffer | None:
         return self.get_located(key)[0]
 
     @override
@@ -222,7 +227,7 @@ class RegionalStore(ObjectStore):
 
     # -- background copies into the local region --
 
-    def _copy_later(self, key: str, blob: bytes, source: str) -> None:
+    def _copy_later(self, key: str, blob: Buffer, source: str) -> None:
         with self._copies_idle:
             if self._closed or key in self._copying or len(blob) > self._copy_budget:
                 return  # already on its way, or too much in flight: the next hit tries again
@@ -233,7 +238,7 @@ class RegionalStore(ObjectStore):
         except RuntimeError:  # closed between the check and the submit
             self._copy_done(key, len(blob))
 
-    def _copy(self, key: str, blob: bytes, source: str) -> None:
+    def _copy(self, key: str, blob: Buffer, source: str) -> None:
         try:
             try:
                 verify(key, blob)  # before the local region vouches for these bytes

@@ -31,7 +31,7 @@ from minio.helpers import check_bucket_name
 from typing_extensions import override
 
 from kvstore.errors import BucketNotFound, ConfigError, StoreAuthError, StoreError, StoreUnavailable
-from kvstore.stores.base import Data, ObjectInfo, ObjectStore, check_range, validate_key
+from kvstore.stores.base import Buffer, Data, ObjectInfo, ObjectStore, check_range, validate_key
 from kvstore.stores.s3_data import AUTH_CODES, S3DataPath
 
 __all__ = ["S3Options", "S3Store"]
@@ -251,6 +251,10 @@ class S3Store(ObjectStore):
     @override
     def get(self, key: str) -> bytes | None:
         return self._data.get(self._name(key), f"GET {key!r}")
+
+    @override
+    def get_chunk(self, key: str) -> Buffer | None:
+        return self._data.get_buffer(self._name(key), f"GET {key!r}")
 
     @override
     def get_range(self, key: str, start: int, length: int) -> bytes | None:

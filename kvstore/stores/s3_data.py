@@ -117,8 +117,13 @@ class S3DataPath:
         )
 
     def get(self, name: str, what: str) -> bytes | None:
+        body = self.get_buffer(name, what)
+        return None if body is None else body.to_bytes()
+
+    def get_buffer(self, name: str, what: str) -> obstore.Bytes | None:
+        """The response body itself (buffer protocol, no copy): the data path verifies and copies it once."""
         try:
-            return obstore.get(self._store, name).bytes().to_bytes()
+            return obstore.get(self._store, name).bytes()
         except _ERRORS as exc:
             self._raise_unless_missing(exc, what)
             return None

@@ -6,7 +6,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from kvstore.engine import EngineThreads, Presence, TieredStore
 from kvstore.errors import ConfigError
 from kvstore.metrics import EngineMetrics
 from kvstore.stores import MemoryStore, ObjectStore
+from tests.helpers import FakeClock, sample, wait_for
 
 CHUNK = 64 * 1024
 
@@ -31,20 +32,6 @@ def payload(i: int) -> bytes:
 
 def keys(n: int, tag: str = "k") -> list[str]:
     return [f"ns_abc_r0/{tag}/{i:04d}.bin" for i in range(n)]
-
-
-def sample(metrics: EngineMetrics, name: str, **labels: str) -> float:
-    value = metrics.registry.get_sample_value(name, labels)
-    assert value is not None, f"no metric {name}{labels}"
-    return value
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -96,6 +83,10 @@ def test_store_then_load_from_nvme_and_object(
     assert engine.lookup(names) == [Presence.LOCAL] * 8
     assert load(engine, names) == [payload(i) for i in range(8)]
     assert sample(metrics, "kvstore:read_bytes_total", tier="nvme") == 8 * CHUNK
+    assert sample(metrics, "kvstore:write_bytes_total", tier="nvme") >= 8 * CHUNK
+    assert sample(metrics, "kvstore:write_seconds_count", tier="nvme") == 8  # one observation per chunk
+    assert sample(metrics, "kvstore:write_seconds_count", tier="object") == 8
+    assert sample(metrics, "kvstore:read_seconds_count", tier="nvme") == 8
     again = engine.store_many([(names[0], payload(0))])
     assert again.skipped == 1
     engine.close()
@@ -206,6 +197,7 @@ def test_a_frozen_store_costs_a_load_its_deadline_once_then_the_breaker_answers(
     assert load(engine, names) == [None] * 3
     first = time.monotonic() - start
     assert sample(metrics, "kvstore:object_store_up") == 0
+    assert sample(metrics, "kvstore:object_store_errors_total", op="get") >= 1
     start = time.monotonic()
     assert load(engine, names) == [None] * 3  # the breaker is open: nobody waits on the store
     second = time.monotonic() - start
@@ -234,13 +226,13 @@ def test_prefix_probe_asks_first_keys_first_and_stops_a_chain_at_its_miss(
     first, second = keys(5, "chain-a"), keys(3, "chain-b")
     fill(s3_store, first[:2] + second)  # the first request's prefix ends after two chunks
     asked: list[str] = []
-    real_get = s3_store.get
+    real_get = s3_store.get_chunk
 
-    def recording_get(key: str) -> bytes | None:
+    def recording_get(key: str) -> object:
         asked.append(key)
         return real_get(key)
 
-    monkeypatch.setattr(s3_store, "get", recording_get)
+    monkeypatch.setattr(s3_store, "get_chunk", recording_get)
     engine = make_engine(s3_store, None, metrics, io_workers=1)
     engine.probe_prefixes([first, second])
     wait_for(lambda: engine.lookup_cached(second[-1]) is not Presence.PENDING, what="the probe")
@@ -262,6 +254,39 @@ def test_a_pending_key_is_probed_once_until_answered_or_asked_long_ago(metrics: 
     assert not engine.needs_probe(key)
     now[0] = 2.0  # the injected clock decides when it is asked again
     assert engine.needs_probe(key)
+    engine.close()
+
+
+@pytest.mark.parametrize("prefetch", [0, 256 << 20], ids=["head", "get"])
+def test_probe_answers_expire_after_their_ttls(metrics: EngineMetrics, prefetch: int) -> None:
+    """ "Missing" is trusted for `probe_miss_ttl_s` (another node may upload the chunk any moment), "in the
+    object store" for `probe_hit_ttl_s` (only GC takes chunks away); then the key is probed again."""
+    clock = FakeClock()
+    store = MemoryStore()
+    engine = make_engine(
+        store,
+        None,
+        metrics,
+        clock=clock,
+        probe_miss_ttl_s=2.0,
+        probe_hit_ttl_s=600.0,
+        prefetch_bytes=prefetch,
+    )
+    [name] = keys(1, f"ttl-{prefetch}")
+    assert wait_answers(engine, [name]) == [Presence.MISS]
+    fill(store, [name])  # another node uploads it
+    clock.advance(1.9)
+    assert engine.lookup_cached(name) is Presence.MISS, "a fresh miss answer is trusted"
+    clock.advance(0.2)
+    assert engine.lookup_cached(name) is Presence.PENDING, "an expired miss answer is asked again"
+    assert wait_answers(engine, [name]) == [Presence.REMOTE]
+    assert load(engine, [name]) == [payload(0)]
+    store.delete(name)  # GC takes it
+    clock.advance(599)
+    assert engine.lookup_cached(name) is Presence.REMOTE, "a fresh hit answer is trusted"
+    clock.advance(2)
+    assert engine.lookup_cached(name) is Presence.PENDING, "an expired hit answer is asked again"
+    assert wait_answers(engine, [name]) == [Presence.MISS]
     engine.close()
 
 
@@ -493,6 +518,7 @@ def test_uploads_deferred_through_an_outage_all_reach_the_bucket(
     wait_for(lambda: all(store.exists_many(during)), timeout=60, what="uploads to resume")
     wait_for(lambda: sample(metrics, "kvstore:object_store_up") == 1, what="the breaker to close")
     assert sample(metrics, "kvstore:upload_retries_total") >= 1
+    assert sample(metrics, "kvstore:object_store_errors_total", op="put") >= 1
     assert engine.close().not_uploaded == 0
     assert not metrics.registry.get_sample_value("kvstore:uploads_lost_total", {"reason": "evicted"})
 
@@ -524,6 +550,7 @@ def test_a_chunk_evicted_before_its_upload_is_counted(tmp_path: Path, metrics: E
             engine.store_many([(name, payload(i))])
         lost = sample(metrics, "kvstore:uploads_lost_total", reason="evicted")
         assert lost >= 5
+        assert sample(metrics, "kvstore:nvme_evictions_total") >= lost
         store.gate.set()
         assert engine.flush(30)
         engine.close()
