@@ -199,45 +199,72 @@ def fsck(
 def pin_add(
     name: Annotated[str, typer.Argument(help="Pin name ([A-Za-z0-9._-], up to 128)")],
     namespace: Annotated[str, typer.Option(help="Namespace id (<model>_<sha12>, as in the bucket)")],
-    prompt: Annotated[str | None, typer.Option(help="Prompt text (needs --model-path)")] = None,
+    prompt: Annotated[
+        str | None, typer.Option(help="Prompt text, tokenized by the vLLM endpoint (or --model-path)")
+    ] = None,
     token_ids: Annotated[str | None, typer.Option(help="Comma-separated token ids")] = None,
-    model_path: Annotated[Path | None, typer.Option(help="Model dir holding tokenizer.json")] = None,
+    vllm_url: Annotated[
+        str | None, typer.Option(help="vLLM endpoint that tokenizes --prompt (default: first of vllm_urls)")
+    ] = None,
+    served_model: Annotated[
+        str | None, typer.Option(help="Served model name at that endpoint (default: its first)")
+    ] = None,
+    model_path: Annotated[
+        Path | None, typer.Option(help="Tokenize --prompt with this model dir's tokenizer.json instead")
+    ] = None,
     ttl_seconds: Annotated[float | None, typer.Option(help="Expire the pin after this long")] = None,
 ) -> None:
-    """Pin the chunks of a prompt (e.g. a system prompt) or of token ids."""
-    from kvstore.pins import create_pin, keys_for_tokens, load_namespace, tokens_from_prompt
+    """Pin the chunks of a prompt (e.g. a system prompt) or of token ids, hashed like the namespace's
+    engines (a seed none of them uses is refused); says how many of the chunks the bucket holds now."""
+    from kvstore.hashing import DEFAULT_HASH_ALGO
+    from kvstore.key_scheme import check_scheme
+    from kvstore.pins import create_pin, keys_for_tokens, load_namespace, present_chunks, tokens_from_prompt
+    from kvstore.vllm_api import tokenize_with
 
-    if (prompt is None) == (token_ids is None) or (prompt is not None and model_path is None):
-        err.print("[red]give exactly one of --prompt (with --model-path) or --token-ids[/red]")
+    if (prompt is None) == (token_ids is None):
+        err.print("[red]give exactly one of --prompt or --token-ids[/red]")
         raise typer.Exit(EXIT_CONFIG)
     _finite_seconds("--ttl-seconds", ttl_seconds, positive=True)
-    with _store(_settings(), "cannot pin") as store:
+    settings = _settings()
+    with _store(settings, "cannot pin") as store:
         try:
             ns = load_namespace(store, namespace)
+            scheme, warning = check_scheme(store, ns)
             if token_ids is not None:
                 tokens = [int(t) for t in token_ids.split(",") if t.strip()]
-            else:
-                assert prompt is not None and model_path is not None
+            elif model_path is not None:
+                assert prompt is not None
                 tokens = tokens_from_prompt(model_path, prompt)
-            manifest = create_pin(store, name, ns, keys_for_tokens(ns, tokens), ttl_seconds=ttl_seconds)
+            else:
+                assert prompt is not None
+                urls = [vllm_url] if vllm_url else settings.vllm_urls
+                tokens, _ = tokenize_with(urls, prompt, served_model=served_model)
+            keys = keys_for_tokens(ns, tokens, algo=scheme.hash_algo or DEFAULT_HASH_ALGO)
+            manifest = create_pin(store, name, ns, keys, ttl_seconds=ttl_seconds)
+            present = present_chunks(store, manifest.keys)
         except (ValueError, ConfigError) as exc:
             err.print(f"[red]cannot pin:[/red] {exc}")
             raise typer.Exit(EXIT_CONFIG) from None
-    console.print(f"pinned {len(manifest.keys)} chunks as {manifest.name!r}")
+    if warning is not None:
+        err.print(f"[yellow]warning:[/yellow] {warning}")
+    console.print(
+        f"pinned {len(manifest.keys)} chunks as {manifest.name!r}; {present} of them are in the bucket now"
+    )
 
 
 @pin_app.command("ls")
 def pin_ls() -> None:
-    """List pin manifests."""
-    from kvstore.pins import list_pins
+    """List pin manifests, with how many of each one's chunks the bucket holds."""
+    from kvstore.pins import list_pins, present_chunks
 
     with _store(_settings(), "cannot list pins") as store:
         pins = list_pins(store)
+        present = [present_chunks(store, pin.keys) for pin in pins]
     table = Table(title="pins")
-    for col in ("name", "namespace", "chunks", "expires"):
-        table.add_column(col)
-    for pin in pins:
-        table.add_row(pin.name, pin.namespace, str(len(pin.keys)), str(pin.expires_at or "never"))
+    for col in ("name", "namespace", "chunks", "in bucket", "expires"):
+        table.add_column(col, overflow="fold")
+    for pin, found in zip(pins, present, strict=True):
+        table.add_row(pin.name, pin.namespace, str(len(pin.keys)), str(found), str(pin.expires_at or "never"))
     console.print(table)
 
 
@@ -278,31 +305,42 @@ def stats(
 def warm(
     namespace: Annotated[str, typer.Option(help="Namespace id (<model>_<sha12>, as in the bucket)")],
     token_ids: Annotated[str | None, typer.Option(help="Comma-separated token ids")] = None,
-    prompt: Annotated[str | None, typer.Option(help="Prompt text (needs --model-path)")] = None,
-    model_path: Annotated[Path | None, typer.Option(help="Model dir holding tokenizer.json")] = None,
+    prompt: Annotated[
+        str | None, typer.Option(help="Prompt text, tokenized by the vLLM endpoint (or --model-path)")
+    ] = None,
+    model_path: Annotated[
+        Path | None, typer.Option(help="Tokenize --prompt with this model dir's tokenizer.json instead")
+    ] = None,
     vllm_url: Annotated[
-        str | None, typer.Option(help="vLLM OpenAI endpoint that produces missing chunks")
+        str | None,
+        typer.Option(help="vLLM endpoint that tokenizes and produces missing chunks (default: vllm_urls)"),
     ] = None,
     model: Annotated[
-        str | None, typer.Option(help="Model name at that endpoint (default: its first)")
+        str | None, typer.Option("--served-model", "--model", help="Served model name (default: the first)")
     ] = None,
     pin: Annotated[str | None, typer.Option(help="Also pin the chunks under this name")] = None,
 ) -> None:
     """Prefetch a prompt's chunks into this node's NVMe cache; have vLLM produce the missing ones."""
     from kvstore.pins import tokens_from_prompt
+    from kvstore.vllm_api import tokenize_with
     from kvstore.warm import warm as run_warm
 
-    if (prompt is None) == (token_ids is None) or (prompt is not None and model_path is None):
-        err.print("[red]give exactly one of --prompt (with --model-path) or --token-ids[/red]")
+    if (prompt is None) == (token_ids is None):
+        err.print("[red]give exactly one of --prompt or --token-ids[/red]")
         raise typer.Exit(EXIT_CONFIG)
-    node = _open_node(_settings(), "cannot open the node")
+    settings = _settings()
+    urls = [vllm_url] if vllm_url else settings.vllm_urls
+    node = _open_node(settings, "cannot open the node")
     try:
         if token_ids is not None:
             tokens = [int(t) for t in token_ids.split(",") if t.strip()]
-        else:
-            assert prompt is not None and model_path is not None
+        elif model_path is not None:
+            assert prompt is not None
             tokens = tokens_from_prompt(model_path, prompt)
-        report = run_warm(node, namespace, tokens, vllm_url=vllm_url, model=model, pin=pin)
+        else:
+            assert prompt is not None
+            tokens, _ = tokenize_with(urls, prompt, served_model=model)
+        report = run_warm(node, namespace, tokens, vllm_urls=urls, model=model, pin=pin)
     except (ValueError, ConfigError) as exc:
         err.print(f"[red]bad arguments:[/red] {exc}")
         raise typer.Exit(EXIT_CONFIG) from None

@@ -36,7 +36,7 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], tags=["w
 
 
 # mypy sees `kvstore.admin.*` as untyped (the folder is mapped by setuptools), hence the ignore.
-class WarmIn(PinIn):  # type: ignore[misc]
+class WarmIn(PinIn):  # type: ignore[misc,unused-ignore]
     """Body of `POST /v1/warm`: the pin request's namespace, prompt and served model, plus what to do.
 
     With `produce` and a configured vLLM endpoint, missing chunks are produced by one prefill on the endpoint

@@ -30,6 +30,7 @@ __all__ = [
     "request_prefill",
     "tokenize_messages",
     "tokenize_prompt",
+    "tokenize_with",
 ]
 
 log = logging.getLogger(__name__)
@@ -191,3 +192,13 @@ def request_prefill(
     our tier stores the prompt's KV on the way."""
     body = {"model": served.name, "prompt": list(token_ids), "max_tokens": 1, "temperature": 0}
     _call(http, "POST", served.base_url, "/v1/completions", body, timeout_s)
+
+
+def tokenize_with(
+    urls: Sequence[str], prompt: str, *, served_model: str | None = None, timeout_s: float = 30.0
+) -> tuple[list[int], ServedModel]:
+    """`tokenize_prompt` on the first of `urls` serving `served_model` (any model when None), for tools that
+    have no client of their own (the CLI)."""
+    with httpx.Client(timeout=timeout_s) as http:
+        served = find_served(http, urls, served_model, timeout_s=timeout_s)
+        return tokenize_prompt(http, served, prompt, timeout_s=timeout_s), served

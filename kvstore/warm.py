@@ -123,6 +123,7 @@ def warm(
     *,
     vllm: ServedModel | None = None,
     vllm_url: str | None = None,
+    vllm_urls: Sequence[str] = (),
     model: str | None = None,
     prefetch: bool = True,
     pin: str | None = None,
@@ -135,11 +136,12 @@ def warm(
 ) -> WarmReport:
     """Make the chunks of `token_ids` present (see the module docstring). `namespace` is a `Namespace` or
     the id of one published in the bucket. Missing chunks are produced by `vllm` (a served model already
-    found), or by the model `model` (default: the first) at `vllm_url`. `timeout_s` bounds the vLLM request,
-    `poll_s` the wait for its uploads; `cancel`, once set, stops the prefetch before its next batch and the
-    wait at its next poll. Keys are hashed like the namespace's engines (`kvstore.key_scheme`). Raises
-    `NamespaceNotFound`, `ConfigError` (no full chunk, bad URL), `SeedMismatch` (no engine of the namespace
-    computes these keys), `VLLMUnreachable`, `VLLMError`."""
+    found), or by the model `model` (default: the first) at `vllm_url`, or at the first of `vllm_urls` that
+    serves it. `timeout_s` bounds the vLLM request, `poll_s` the wait for its uploads; `cancel`, once set,
+    stops the prefetch before its next batch and the wait at its next poll. Keys are hashed like the
+    namespace's engines (`kvstore.key_scheme`). Raises `NamespaceNotFound`, `ConfigError` (no full chunk,
+    bad URL), `SeedMismatch` (no engine of the namespace computes these keys), `VLLMUnreachable`,
+    `VLLMError`."""
     started = time.monotonic()
     ns = load_namespace(node.store, namespace) if isinstance(namespace, str) else namespace
     scheme, warning = check_scheme(node.store, ns)
@@ -166,11 +168,12 @@ def warm(
         prefetched = _prefetch_checked(node, remote, missing, errors, cancel)
 
     produced = 0
-    if missing and (vllm is not None or vllm_url is not None):
+    urls = [vllm_url] if vllm_url is not None else list(vllm_urls)
+    if missing and (vllm is not None or urls):
         own = client is None
         http = client or httpx.Client(timeout=timeout_s)
         try:
-            served = vllm or find_served(http, [vllm_url or ""], model, timeout_s=timeout_s)
+            served = vllm or find_served(http, urls, model, timeout_s=timeout_s)
             request_prefill(http, served, token_ids, timeout_s=timeout_s)
         finally:
             if own:
