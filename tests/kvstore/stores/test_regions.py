@@ -22,6 +22,8 @@ from kvstore.config import load_settings
 from kvstore.metrics import EngineMetrics
 from kvstore.runtime import open_object_store
 from kvstore.stores import RegionalStore, S3Options, S3Store, get_located
+from tests.helpers import FakeClock
+from tests.helpers import sample as strict_sample
 
 if TYPE_CHECKING:
     from conftest import S3Server
@@ -131,14 +133,6 @@ class TcpProxy:
                     sock.shutdown(socket.SHUT_RDWR)
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def chunk(i: int, key: str, size: int = 4096) -> bytes:
     return encode(key, bytes((i + j) % 251 for j in range(size))).to_bytes()
 
@@ -148,7 +142,7 @@ def chunk_key(tag: str = "") -> str:
 
 
 def sample(metrics: EngineMetrics, name: str, region: str) -> float:
-    return metrics.registry.get_sample_value(name, {"region": region}) or 0.0
+    return strict_sample(metrics, name, region=region)
 
 
 def _host_port(endpoint: str) -> tuple[str, int]:
@@ -168,21 +162,6 @@ def through(proxy: TcpProxy, server: S3Server, bucket: str) -> S3Store:
 
 
 @contextlib.contextmanager
-def _bucket(server: S3Server) -> Iterator[str]:
-    client = server.client()
-    bucket = f"kvt-{uuid.uuid4().hex[:16]}"
-    client.make_bucket(bucket)
-    try:
-        yield bucket
-    finally:
-        with contextlib.suppress(Exception):
-            for obj in client.list_objects(bucket, recursive=True):
-                if obj.object_name:
-                    client.remove_object(bucket, obj.object_name)
-            client.remove_bucket(bucket)
-
-
-@contextlib.contextmanager
 def _proxy(server: S3Server) -> Iterator[TcpProxy]:
     proxy = TcpProxy(_host_port(server.endpoint))
     try:
@@ -198,7 +177,7 @@ def metrics() -> EngineMetrics:
 
 @pytest.fixture
 def clock() -> FakeClock:
-    return FakeClock()
+    return FakeClock(1000.0)
 
 
 @pytest.fixture
@@ -210,7 +189,7 @@ def local(s3_server: S3Server, s3_bucket: str) -> Iterator[S3Store]:
 
 @pytest.fixture
 def remote_bucket(s3_server: S3Server) -> Iterator[str]:
-    with _bucket(s3_server) as bucket:
+    with s3_server.bucket() as bucket:
         yield bucket
 
 
@@ -289,7 +268,7 @@ def test_remote_hit_is_served_and_copied_once(
 ) -> None:
     """Two servers: this region on the session server, the remote on a private one behind the proxy."""
     metrics = EngineMetrics(CollectorRegistry())
-    with _bucket(private_s3_server) as far, _proxy(private_s3_server) as proxy:
+    with private_s3_server.bucket() as far, _proxy(private_s3_server) as proxy:
         seeder = private_s3_server.store(far)
         single, contended = chunk_key(), chunk_key()
         seeder.put(single, chunk(5, single))
