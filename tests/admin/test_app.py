@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -12,7 +14,11 @@ import pytest
 from fastapi.testclient import TestClient
 from kvstore.admin.app import create_app
 
+from kvstore.cache import NVMeCache
+from kvstore.keys import Namespace, make_offload_key
+from kvstore.pins import create_pin, delete_pin
 from kvstore.runtime import Node
+from tests.helpers import wait_for
 
 
 @pytest.fixture
@@ -85,3 +91,52 @@ def test_health_and_stats_answer_within_two_seconds_of_a_frozen_store(
     while client.get("/healthz").status_code != 200:
         assert time.monotonic() < deadline, "health did not recover after the store resumed"
         time.sleep(0.2)
+
+
+# -- what the README promises about the service, on the shared S3 server
+
+
+@pytest.fixture
+def shared_node(s3_server: Any, s3_bucket: str, open_test_node: Callable[..., Node]) -> Node:
+    return open_test_node(
+        s3_server, f"s3://{s3_bucket}", cache_bytes=10 << 20, admin_token="tok", pin_sync_s=0.2
+    )
+
+
+def test_metrics_and_healthz_stay_open_when_a_token_is_set(shared_node: Node) -> None:
+    client = TestClient(create_app(shared_node))
+    assert client.get("/v1/pins").status_code == 401
+    assert client.get("/healthz").status_code == 200
+    metrics = client.get("/metrics")
+    assert metrics.status_code == 200 and "kvstore:nvme_budget_bytes" in metrics.text
+
+
+def test_healthz_is_503_when_the_cache_is_down(shared_node: Node) -> None:
+    # The service's own handle on the node's cache (a second instance over the same index), so that closing
+    # it leaves the engine's handle, and the fixture's shutdown, alone.
+    settings = shared_node.settings
+    cache = NVMeCache(settings.cache_dir, settings.cache_bytes)
+    client = TestClient(create_app(dataclasses.replace(shared_node, cache=cache)))
+    assert client.get("/healthz").status_code == 200
+    cache.close()  # what a service whose cache became unusable has
+    down = client.get("/healthz")
+    assert down.status_code == 503, down.text
+    assert down.json()["cache"]["ok"] is False and down.json()["store"]["ok"] is True
+
+
+def test_the_service_syncs_pins_made_elsewhere_while_it_runs(shared_node: Node) -> None:
+    ns = Namespace(model_name="org/tiny", tokens_per_hash=16, dtype="bfloat16")
+    key = ns.chunk_key(make_offload_key(b"\x07" * 32))
+    app = create_app(shared_node)
+
+    def sync_loops() -> int:
+        return sum(t.name == "kvstore-pin-sync" for t in threading.enumerate())
+
+    before = sync_loops()
+    with TestClient(app):  # enters the app's lifespan, which runs the pin sync every pin_sync_s
+        create_pin(shared_node.store, "elsewhere", ns, [key])  # as the CLI or another node would
+        wait_for(lambda: shared_node.cache.pinned(key) > 0, what="the pin to reach this node's cache")
+        delete_pin(shared_node.store, "elsewhere")
+        wait_for(lambda: shared_node.cache.pinned(key) == 0, what="the unpin to reach this node's cache")
+        assert sync_loops() == before + 1
+    assert sync_loops() == before, "the lifespan's end stops the loop"

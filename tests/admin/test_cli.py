@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,27 +16,16 @@ import httpx
 import pytest
 
 from kvstore.cache import NVMeCache
+from tests.helpers import cli_env, free_port, listed_older_than
 
 KVSTORE = [sys.executable, "-m", "kvstore.admin.cli"]
 
 
-def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "AWS_"))}
-    env.update({"XDG_DATA_HOME": str(tmp_path / "data"), **extra})
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_serve_starts_the_embedded_s3_server_and_stops_it(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [*KVSTORE, "serve", "--port", str(port)],
-        env=_env(tmp_path, KVSTORE_ADMIN_TOKEN="tok"),
+        env=cli_env(tmp_path, KVSTORE_ADMIN_TOKEN="tok"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -87,7 +75,7 @@ def test_fsck_exit_codes(tmp_path: Path) -> None:
     with open(located.path, "r+b") as f:
         f.seek(4096)  # the payload's first byte
         f.write(b"y")
-    env = _env(tmp_path, KVSTORE_CACHE_DIR=str(cache_dir), KVSTORE_CACHE_BYTES=str(1 << 20))
+    env = cli_env(tmp_path, KVSTORE_CACHE_DIR=str(cache_dir), KVSTORE_CACHE_BYTES=str(1 << 20))
     check = subprocess.run([*KVSTORE, "fsck"], env=env, capture_output=True, text=True)
     assert check.returncode == 1, check.stdout + check.stderr
     fix = subprocess.run([*KVSTORE, "fsck", "--fix"], env=env, capture_output=True, text=True)
@@ -102,7 +90,7 @@ def test_fsck_refuses_a_damaged_index_and_fix_rebuilds_it(tmp_path: Path) -> Non
         for i in range(5):
             cache.put(f"a/{i}.bin", bytes([i]) * 5000)
     os.truncate(cache_dir / "index" / "data.mdb", 8192)
-    env = _env(tmp_path, KVSTORE_CACHE_DIR=str(cache_dir), KVSTORE_CACHE_BYTES=str(1 << 20))
+    env = cli_env(tmp_path, KVSTORE_CACHE_DIR=str(cache_dir), KVSTORE_CACHE_BYTES=str(1 << 20))
     check = subprocess.run([*KVSTORE, "fsck"], env=env, capture_output=True, text=True)
     assert check.returncode == 3, check.stdout + check.stderr  # not a SIGBUS (135), not a traceback
     assert "damaged" in check.stderr and "fsck --fix" in check.stderr
@@ -129,7 +117,7 @@ def test_fsck_fix_runs_on_a_full_disk(tmp_path: Path) -> None:
         with open(mount / "filler", "wb") as f, contextlib.suppress(OSError):
             while True:
                 f.write(b"\0" * 65536)
-        env = _env(tmp_path, KVSTORE_CACHE_DIR=str(cache_dir), KVSTORE_CACHE_BYTES=str(1 << 20))
+        env = cli_env(tmp_path, KVSTORE_CACHE_DIR=str(cache_dir), KVSTORE_CACHE_BYTES=str(1 << 20))
         fix = subprocess.run([*KVSTORE, "fsck", "--fix"], env=env, capture_output=True, text=True)
         assert fix.returncode == 0, fix.stdout + fix.stderr
         assert not leftover.exists()
@@ -139,7 +127,7 @@ def test_fsck_fix_runs_on_a_full_disk(tmp_path: Path) -> None:
 
 
 def test_bad_configuration_exits_2_and_names_the_option(tmp_path: Path) -> None:
-    env = _env(tmp_path, KVSTORE_CACHE_BYTES="-1")
+    env = cli_env(tmp_path, KVSTORE_CACHE_BYTES="-1")
     result = subprocess.run([*KVSTORE, "fsck"], env=env, capture_output=True, text=True)
     assert result.returncode == 2
     assert "cache_bytes" in result.stderr
@@ -150,7 +138,7 @@ def test_gc_from_cron_reports_and_respects_the_lease(tmp_path: Path, s3_server: 
 
     for i in range(3):
         s3_store.put(f"ns_r0/abc/de_g0/{i:064x}.bin", b"z" * 100)  # GC never reads a chunk
-    env = _env(
+    env = cli_env(
         tmp_path,
         KVSTORE_STORE_URL=f"s3://{s3_store.bucket}/{s3_store.prefix}",
         KVSTORE_S3_ENDPOINT=s3_server.endpoint,
@@ -177,7 +165,7 @@ def test_pin_add_ls_rm_and_migrate(tmp_path: Path, s3_server: Any, s3_store: Any
 
     ns = Namespace(model_name="tiny/model", tokens_per_hash=4, dtype="torch.bfloat16")
     s3_store.put(ns.config_key, json.dumps(ns.fields()).encode())
-    env = _env(
+    env = cli_env(
         tmp_path,
         KVSTORE_STORE_URL=f"s3://{s3_store.bucket}/{s3_store.prefix}",
         KVSTORE_S3_ENDPOINT=s3_server.endpoint,
@@ -233,7 +221,7 @@ def test_gc_from_cron_publishes_block_removed(
     hashes = [bytes([i]) * 32 for i in range(3)]
     for h in hashes:
         s3_store.put(ns.chunk_key(make_offload_key(h)), b"z" * 100)  # GC never reads a chunk
-    env = _env(
+    env = cli_env(
         tmp_path,
         KVSTORE_STORE_URL=f"s3://{s3_store.bucket}/{s3_store.prefix}",
         KVSTORE_S3_ENDPOINT=s3_server.endpoint,
@@ -241,7 +229,7 @@ def test_gc_from_cron_publishes_block_removed(
         AWS_ACCESS_KEY_ID=s3_server.access_key,
         AWS_SECRET_ACCESS_KEY=s3_server.secret_key,
     )
-    time.sleep(1.1)  # S3 times have one-second resolution: make the chunks older than the zero grace period
+    listed_older_than(s3_store, [ns.chunk_key(make_offload_key(h)) for h in hashes], 1.0)  # past grace 0
     args = [*KVSTORE, "gc", "--ttl-seconds", "0", "--grace-seconds", "0"]
     dry = subprocess.run([*args, "--dry-run"], env=env, capture_output=True, text=True)
     assert dry.returncode == 0 and json.loads(dry.stdout)["deleted"] == 3, dry.stderr
@@ -258,3 +246,20 @@ def test_gc_from_cron_publishes_block_removed(
         args, env={**env, "KVSTORE_EVENTS_ENDPOINT": "udp://x"}, capture_output=True, text=True
     )
     assert bad.returncode == 2 and "events_endpoint" in bad.stderr
+
+
+# (`kvstore stats` reports an unreachable store in its JSON and exits 0: tests/kvstore/test_stats.py.)
+@pytest.mark.parametrize("args", [["gc", "--dry-run"], ["pin", "ls"], ["pin", "rm", "x"]])
+def test_an_unreachable_store_exits_3_with_a_message(tmp_path: Path, args: list[str]) -> None:
+    env = cli_env(
+        tmp_path,
+        KVSTORE_STORE_URL="s3://bucket/prefix",
+        KVSTORE_S3_ENDPOINT=f"http://127.0.0.1:{free_port()}",  # nobody listens there
+        KVSTORE_CACHE_DIR=str(tmp_path / "cache"),
+        AWS_ACCESS_KEY_ID="AK",
+        AWS_SECRET_ACCESS_KEY="not-shown",
+    )
+    result = subprocess.run([*KVSTORE, *args], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and "127.0.0.1" in result.stderr
+    assert "not-shown" not in result.stdout + result.stderr

@@ -5,9 +5,7 @@ empty store list, a store directory that cannot be created; and the warning for 
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,23 +15,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.helpers import cli_env, free_port
+
 KVSTORE = [sys.executable, "-m", "kvstore.admin.cli"]
-
-
-def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "AWS_"))}
-    env.update({"XDG_DATA_HOME": str(tmp_path / "data"), **extra})
-    return env
 
 
 def _run(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*KVSTORE, *args], env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize(
@@ -47,7 +35,7 @@ def _free_port() -> int:
 def test_serve_refuses_an_open_admin_api_on_a_public_address(
     tmp_path: Path, args: list[str], env: dict[str, str]
 ) -> None:
-    result = _run([*args, "--port", str(_free_port())], _env(tmp_path, **env))
+    result = _run([*args, "--port", str(free_port())], cli_env(tmp_path, **env))
     assert result.returncode == 2, result.stdout + result.stderr
     assert "without a token" in result.stderr and "--insecure-no-auth" in result.stderr
     assert "Traceback" not in result.stderr
@@ -68,8 +56,8 @@ def _serving(args: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[
 
 
 def test_serve_on_a_public_address_with_the_explicit_flag(tmp_path: Path) -> None:
-    port = _free_port()
-    env = _env(tmp_path, KVSTORE_STORE_URL=f"file://{tmp_path / 'store'}")
+    port = free_port()
+    env = cli_env(tmp_path, KVSTORE_STORE_URL=f"file://{tmp_path / 'store'}")
     with _serving(["--host", "0.0.0.0", "--port", str(port), "--insecure-no-auth"], env) as proc:
         deadline = time.monotonic() + 60
         answer = None
@@ -107,13 +95,13 @@ def test_bad_settings_and_arguments_exit_2_and_name_the_option(
 ) -> None:
     # The store URL points nowhere reachable: a refusal must come before any store is contacted.
     base = {"KVSTORE_STORE_URL": "s3://bucket", "KVSTORE_S3_ENDPOINT": "http://127.0.0.1:9"}
-    result = _run(args, _env(tmp_path, **{**base, **env}), timeout=30)
+    result = _run(args, cli_env(tmp_path, **{**base, **env}), timeout=30)
     assert result.returncode == 2, result.stdout + result.stderr
     assert named in result.stderr and "Traceback" not in result.stderr
 
 
 def test_unknown_kvstore_variables_are_named_in_a_warning(tmp_path: Path) -> None:
-    env = _env(tmp_path, KVSTORE_STORE_URL="memory://x", KVSTORE_CACH_BYTES="5", KVSTORE_STOREURL="s3://b")
+    env = cli_env(tmp_path, KVSTORE_STORE_URL="memory://x", KVSTORE_CACH_BYTES="5", KVSTORE_STOREURL="s3://b")
     result = _run(["pin", "ls"], env)
     assert result.returncode == 0, result.stderr
     assert "KVSTORE_CACH_BYTES" in result.stderr and "KVSTORE_STOREURL" in result.stderr
@@ -147,7 +135,7 @@ def unwritable(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]
 def test_a_store_directory_that_cannot_be_created_is_a_clear_error(
     tmp_path: Path, unwritable: Path, args: list[str]
 ) -> None:
-    env = _env(
+    env = cli_env(
         tmp_path, KVSTORE_STORE_URL=f"file://{unwritable / 'store'}", KVSTORE_CACHE_DIR=str(tmp_path / "c")
     )
     result = _run(args, env)
