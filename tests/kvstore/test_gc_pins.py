@@ -22,7 +22,6 @@ from kvstore import gc as gc_module
 from kvstore.access import ACCESS_PREFIX, encode_batch
 from kvstore.gc import run_gc
 from kvstore.keys import KVCacheGroup, Namespace, is_chunk_key, make_offload_key
-from kvstore.lease import read_lease
 from kvstore.pin_fence import HOLD_PREFIX, MARKER_KEY, fenced_pin_write
 from kvstore.pins import PIN_PREFIX, PinManifest, create_pin, pinned_keys
 from kvstore.stores import ObjectInfo, ObjectStore
@@ -95,6 +94,8 @@ class PhaseStore(ObjectStore):
 
     @override
     def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[ObjectInfo]:
+        if prefix == HOLD_PREFIX:
+            self._at("holds", None)  # the fence looking for pin creators between their hold and manifest
         for i, info in enumerate(self.inner.list(prefix, start_after)):
             if prefix == "" and i == 0:
                 self._at("listing", info.key)
@@ -193,16 +194,16 @@ def test_gc_waits_for_a_creator_between_its_hold_and_its_manifest(
     creator.start()
     assert in_hold.wait(20)
     result: list[Any] = []
+    looks = threading.Semaphore(0)
+    watched = PhaseStore(store, lambda phase, _: looks.release() if phase == "holds" else None)
     gc = threading.Thread(
-        target=lambda: result.append(run_gc(store, ttl_seconds=0, grace_seconds=0, now=t0 + 10))
+        target=lambda: result.append(run_gc(watched, ttl_seconds=0, grace_seconds=0, now=t0 + 10))
     )
     gc.start()
-    deadline = time.monotonic() + 20
-    while read_lease(store) is None:  # GC has started
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    time.sleep(1.0)  # long enough to list 240 objects and reach the fence: it must not delete anything
-    assert all(store.exists_many(keys))
+    # GC found the hold at its first delete batch and looks again (it waits): nothing may be deleted yet.
+    for _ in range(3):
+        assert looks.acquire(timeout=30), "GC never reached the fence"
+    assert watched.deleted == [] and all(store.exists_many(keys))
     release.set()
     creator.join(20)
     gc.join(60)
