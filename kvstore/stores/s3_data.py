@@ -87,9 +87,11 @@ class S3DataPath:
         if endpoint is not None:
             config["endpoint"] = endpoint
         if access_key:
-            config.update(access_key_id=access_key, secret_access_key=secret_key)
-            if session_token:
-                config["session_token"] = session_token
+            # Always set: obstore falls back to AWS_SESSION_TOKEN from the environment for a token not given,
+            # and the caller's token belongs to another identity when the keys are given explicitly.
+            config.update(
+                access_key_id=access_key, secret_access_key=secret_key, session_token=session_token or ""
+            )
         else:
             config["skip_signature"] = True  # anonymous, like the control path; never probe instance metadata
         self._store = ObstoreS3(

@@ -95,13 +95,6 @@ def test_aws_session_token_is_sent_with_every_request(
             store.check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug in kvstore/stores/s3_data.py: obstore's S3Store also reads AWS_SESSION_TOKEN from the "
-    "environment, so session_token='' (the embedded server's stores) still sends the caller's token on the "
-    "data path and every GET/PUT is refused (403 InvalidAccessKeyId); the control path (MinIO SDK) sends "
-    "none",
-)
 def test_an_explicitly_empty_session_token_sends_none(
     s3_server: S3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
