@@ -36,7 +36,7 @@ import time
 from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
-from kvstore.connector.engine_keys import engine_scheme
+from kvstore.connector.engine_keys import engine_scheme, wait_for_engine_scheme
 from kvstore.connector.jobs import JobThreads
 from kvstore.connector.tier_events import parse_locality, to_vllm_events
 from kvstore.connector.tier_metrics import BackgroundStats, TierStats, metric_definitions
@@ -233,28 +233,32 @@ class KVStoreTier(SecondaryTierManager):
             if options.get("access_records", True)
             else None
         )
-        self.key_scheme, from_engine = engine_scheme()
-        if not self.key_scheme.shareable:
-            log.warning(
-                "KVStoreTier: this engine's block hashes use a random per-process seed (xxhash without "
-                "PYTHONHASHSEED): no other instance, restart, pin or warm run will ever compute its keys, so "
-                "nothing it stores can be shared. Use --prefix-caching-hash-algo sha256, or set the same "
-                "PYTHONHASHSEED on every instance."
-            )
+        self._scheme: KeyScheme | None = None  # the engine's, once vLLM has set NONE_HASH
+        self._stopping = threading.Event()
         self._store_url = self._node.store.url
         self._codec = settings.codec
         self._cache_bytes = settings.cache_bytes
-        threading.Thread(
-            target=self._publish_namespace, args=(from_engine,), name="kvstore-tier-namespace", daemon=True
-        ).start()
+        self._publisher = threading.Thread(
+            target=self._publish_namespace, name="kvstore-tier-namespace", daemon=True
+        )
+        self._publisher.start()
         log.info(
-            "KVStoreTier ready: namespace %s, store %s, cache %s, keys %s/%s",
+            "KVStoreTier ready: namespace %s, store %s, cache %s, GIL switch interval %s",
             self.namespace.id,
             self._node.store.url,
             settings.cache_dir,
-            self.key_scheme.hash_algo or "xxhash family",
-            self.key_scheme.seed_fingerprint,
+            f"{self._fast_switch:g} s while requests wait" if self._fast_switch else "unchanged",
         )
+
+    @property
+    def key_scheme(self) -> KeyScheme:
+        """How this engine names chunks (vLLM's defaults for this environment until NONE_HASH is set)."""
+        if self._scheme is None:
+            scheme, from_engine = engine_scheme()
+            if not from_engine:
+                return scheme
+            self._scheme = scheme
+        return self._scheme
 
     @property
     def engine(self) -> TieredStore:
@@ -336,6 +340,7 @@ class KVStoreTier(SecondaryTierManager):
 
     @override
     def shutdown(self) -> None:
+        self._stopping.set()
         self._jobs.close()
         if self._switched:
             sys.setswitchinterval(self._normal_switch)
@@ -477,21 +482,34 @@ class KVStoreTier(SecondaryTierManager):
             runnable.append((job, items))
         return runnable, failed
 
-    def _publish_namespace(self, from_engine: bool) -> None:
-        """Describe the namespace in the bucket once, like vLLM's fs tier writes its config.json, and record
-        this engine's key scheme beside it; warn when engines with other seeds already write it."""
+    def _publish_namespace(self) -> None:
+        """Describe the namespace in the bucket once, like vLLM's fs tier writes its config.json; once vLLM
+        has set NONE_HASH, record this engine's key scheme beside it and warn when its keys can never be
+        shared: a random per-process seed, or engines with other seeds already writing the namespace."""
         import json
 
         try:
             body = json.dumps(self.namespace.fields(), indent=2, sort_keys=True).encode()
             self._node.store.put_if_absent(self.namespace.config_key, body)
-            if not from_engine:  # a tier outside an engine has no scheme of its own to record
-                return
-            record_scheme(self._node.store, self.namespace, self.key_scheme)
+        except StoreError as exc:
+            log.warning("could not write %s: %s", self.namespace.config_key, exc)
+        scheme, from_engine = wait_for_engine_scheme(_NONE_HASH_WAIT_S, self._stopping)
+        if not from_engine:  # a tier outside an engine has no scheme of its own to record
+            return
+        self._scheme = scheme
+        if not scheme.shareable:
+            log.warning(
+                "KVStoreTier: this engine's block hashes use a random per-process seed (xxhash without "
+                "PYTHONHASHSEED): no other instance, restart, pin or warm run will ever compute its keys, so "
+                "nothing it stores can be shared. Use --prefix-caching-hash-algo sha256, or set the same "
+                "PYTHONHASHSEED on every instance."
+            )
+        try:
+            record_scheme(self._node.store, self.namespace, scheme)
             others = [
                 s
                 for s in namespace_schemes(self._node.store, self.namespace)
-                if s.seed_fingerprint != self.key_scheme.seed_fingerprint
+                if s.seed_fingerprint != scheme.seed_fingerprint
             ]
         except StoreError as exc:
             log.warning("could not describe namespace %s in the bucket: %s", self.namespace.id, exc)
@@ -504,9 +522,12 @@ class KVStoreTier(SecondaryTierManager):
                 len(others),
                 self.namespace.id,
                 ", ".join(_describe(s) for s in others),
-                _describe(self.key_scheme),
+                _describe(scheme),
             )
 
+
+# vLLM sets NONE_HASH just after building the scheduler (and this tier); a tier built elsewhere never sees it.
+_NONE_HASH_WAIT_S = 120.0
 
 _CONFIG_INFO_KEYS = (
     "kvstore_namespace",

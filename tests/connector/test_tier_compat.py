@@ -332,6 +332,7 @@ def test_the_tier_records_its_keys_and_warns_when_they_cannot_be_shared(
     caplog.clear()
     engine_none_hash("xxhash", None)  # random per process: nothing it stores is ever found again
     third = make_tier("third").tier
+    _published(third)
     assert third.key_scheme.hash_algo is None and not third.key_scheme.shareable
     assert "random per-process seed" in caplog.text
     assert third.config_info()["kvstore_keys_shareable"] is False

