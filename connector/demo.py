@@ -8,7 +8,10 @@ is sent, with KVStoreTier behind them. Then:
 2. a short multi-turn replay runs with a progress bar: every conversation resends its whole history, and the
    others push it out of the engine and the CPU tier in between, so later turns come back from our tier;
 3. the returning user's prompt is sent again (served from our tier), and once more with a `cache_salt`,
-   which no cache can match, so the engine recomputes it: the TTFT saved, measured in the same run.
+   which no cache can match, so the engine recomputes it: the TTFT saved, measured in the same run;
+4. a second engine starts with an empty NVMe cache, standing for a new node that joins the fleet: the
+   returning user's prompt comes back to it from the bucket (object-store hits), again beside a recompute on
+   that same engine.
 
 Everything it starts is stopped on exit, on an error or on Ctrl-C (an `ExitStack` unwinds it), and the vLLM
 server's leftovers in /dev/shm and /tmp are removed by `vllm_server`.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import shutil
 import socket
 import statistics
 import threading
@@ -28,13 +32,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from pydantic import SecretStr
+
+from kvstore.config import GiB, Settings
 from kvstore.connector.bench_multiturn import Sizing
 from kvstore.connector.multiturn import TurnRecord, Workload, replay
 from kvstore.connector.tiny_model import TinyModelSpec, build_tiny_model, sample_text
 from kvstore.connector.vllm_server import VLLMServer, metric_total, vllm_server
-from pydantic import SecretStr
-
-from kvstore.config import GiB, Settings
 from kvstore.runtime import EMBEDDED_BUCKET, open_node, open_object_store
 
 __all__ = ["DemoOptions", "DemoReport", "demo_sizing", "run_demo"]
@@ -78,6 +82,12 @@ class DemoReport:
     returning_hit_s: float = 0.0  # again, after the replay pushed it out of the engine and the CPU tier
     returning_recompute_s: float = 0.0  # again, with a cache_salt: recomputed, same engine, same moment
     returning_hit_tokens: int = 0  # of the prompt, how many tokens came from a cache
+    # A new node: a second engine whose NVMe cache starts empty, serving the returning user from the bucket.
+    new_node_url: str = ""
+    new_node_hit_s: float = 0.0
+    new_node_recompute_s: float = 0.0
+    new_node_hit_tokens: int = 0
+    new_node_tiers: dict[str, TierCounts] = field(default_factory=dict)
 
     @property
     def ttft_by_turn(self) -> dict[int, float]:
@@ -192,6 +202,28 @@ def run_demo(
         report.returning_recompute_s, _ = _ttft(vllm, returning, cache_salt=secrets.token_hex(8))
         time.sleep(1.5)  # counters are published at the end of an engine step
         _read_counts(report, before, vllm.metrics())
+
+        say("a new node joins: a second engine with an empty NVMe cache, the same bucket")
+        # Everything the first engine stored must be in the bucket before the new node asks for it.
+        _wait_for_uploads(node)
+        new_cache = demo_dir / "nvme-new-node"
+        shutil.rmtree(new_cache, ignore_errors=True)
+        second = stack.enter_context(
+            vllm_server(
+                model,
+                kv_transfer_config=sizing.tiering_config({**tier, "cache_dir": str(new_cache)}),
+                env=credentials,
+                extra_args=sizing.server_args(),
+                log_path=demo_dir / "vllm-new-node.log",
+            )
+        )
+        report.new_node_url = second.base_url
+        say("the returning user reaches the new node: served from the bucket, then recomputed for comparison")
+        fresh = second.metrics()
+        report.new_node_hit_s, report.new_node_hit_tokens = _ttft(second, returning)
+        report.new_node_recompute_s, _ = _ttft(second, returning, cache_salt=secrets.token_hex(8))
+        time.sleep(1.5)
+        report.new_node_tiers = _tier_counts(fresh, second.metrics())
         if hold is not None:
             hold(report)
     return report
@@ -212,6 +244,7 @@ def _port(settings: Settings, options: DemoOptions) -> int:
 def _admin_service(node: Any, host: str, port: int) -> Iterator[str]:
     """The admin API on a thread of this process, stopped when the block exits."""
     import uvicorn
+
     from kvstore.admin.app import create_app
 
     server = uvicorn.Server(uvicorn.Config(create_app(node), host=host, port=port, log_level="warning"))
@@ -243,6 +276,26 @@ def _ttft(server: VLLMServer, prompt: str, cache_salt: str | None = None) -> tup
     return elapsed, int(details.get("cached_tokens") or 0)
 
 
+def _wait_for_uploads(node: Any, timeout_s: float = 120.0) -> None:
+    """Until the node's upload journal is empty (the engines on this node share it through the index)."""
+    deadline = time.monotonic() + timeout_s
+    while node.engine.backlog_chunks() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def _tier_counts(before: dict[str, float], after: dict[str, float]) -> dict[str, TierCounts]:
+    def delta(name: str, tier: str) -> float:
+        return float(metric_total(after, name, tier=tier) - metric_total(before, name, tier=tier))
+
+    return {
+        tier: TierCounts(
+            queries=delta("vllm:kvstore_chunk_queries_total", tier),
+            hits=delta("vllm:kvstore_chunk_hits_total", tier),
+        )
+        for tier in ("nvme", "object")
+    }
+
+
 def _read_counts(report: DemoReport, before: dict[str, float], after: dict[str, float]) -> None:
     def delta(name: str, **labels: str) -> float:
         return float(metric_total(after, name, **labels) - metric_total(before, name, **labels))
@@ -252,10 +305,4 @@ def _read_counts(report: DemoReport, before: dict[str, float], after: dict[str, 
         source: delta("vllm:prompt_tokens_cached_by_source_total", source=source)
         for source in ("device", "host", "disk")
     }
-    report.kvstore_tiers = {
-        tier: TierCounts(
-            queries=delta("vllm:kvstore_chunk_queries_total", tier=tier),
-            hits=delta("vllm:kvstore_chunk_hits_total", tier=tier),
-        )
-        for tier in ("nvme", "object")
-    }
+    report.kvstore_tiers = _tier_counts(before, after)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from kvstore.config import load_settings
 from kvstore.connector.demo import DemoOptions, DemoReport, run_demo
 from kvstore.connector.engine_runner import shm_snapshot
 from kvstore.connector.multiturn import TurnRecord
-
-from kvstore.config import load_settings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
@@ -24,6 +24,7 @@ SMALL = DemoOptions(
     output_tokens=4,
     concurrency=2,
     returning_user_tokens=1200,
+    admin_port=0,  # any free port
 )
 
 
@@ -58,7 +59,7 @@ def test_demo_runs_everything_and_leaves_nothing(data_dir: Path) -> None:
         seen["stats_keys"] = len(stats)
         seen["processes"] = len(_processes_under(data_dir))
 
-    settings = load_settings(data_dir=data_dir, admin_port=0)
+    settings = load_settings(data_dir=data_dir)
     report = run_demo(settings, SMALL, say=lambda _: None, hold=while_up)
 
     assert seen["stats_keys"] > 0 and seen["processes"] >= 2  # weed + vLLM were running
@@ -71,6 +72,9 @@ def test_demo_runs_everything_and_leaves_nothing(data_dir: Path) -> None:
     assert report.token_sources["disk"] > 0
     assert report.kvstore_tiers["nvme"].hits > 0
     assert report.returning_recompute_s > 0 and report.returning_hit_s > 0
+    # A new node with an empty NVMe cache got the returning user's chunks from the bucket.
+    assert report.new_node_tiers["object"].hits > 0 and report.new_node_hit_tokens > 0
+    assert report.new_node_recompute_s > 0 and report.new_node_hit_s > 0
 
     assert _processes_under(data_dir) == []
     assert not {n for n in shm_snapshot() - shm_before if n.startswith(("vllm", "psm_", "sem.mp-"))}
@@ -82,7 +86,7 @@ def test_ctrl_c_during_the_replay_stops_everything(data_dir: Path) -> None:
     def interrupt(record: TurnRecord) -> None:
         raise KeyboardInterrupt
 
-    settings = load_settings(data_dir=data_dir, admin_port=0)
+    settings = load_settings(data_dir=data_dir)
     with pytest.raises(KeyboardInterrupt):
         run_demo(settings, SMALL, say=lambda _: None, on_turn=interrupt)
 
