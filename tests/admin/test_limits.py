@@ -9,12 +9,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from kvstore.admin.app import create_app
 
+from kvstore.admin.app import create_app
 from kvstore.keys import KVCacheGroup, Namespace
 from kvstore.pins import PIN_PREFIX
 from kvstore.runtime import Node
@@ -125,10 +126,19 @@ def _silent_server() -> tuple[socket.socket, str]:
     return server, f"http://127.0.0.1:{server.getsockname()[1]}"
 
 
-def test_delete_cancels_a_warm_job_stuck_in_its_prefill(client: TestClient) -> None:
+def test_delete_cancels_a_warm_job_stuck_in_its_prefill(
+    s3_server: Any, s3_store: Any, open_test_node: Callable[..., Node], tmp_path: Path
+) -> None:
     server, url = _silent_server()
     try:
-        body: dict[str, Any] = {"namespace": NS.id, "token_ids": list(range(64)), "vllm_url": url}
+        # The configured endpoint (never one from the request) is the silent one.
+        store_url = f"s3://{s3_store.bucket}/{s3_store.prefix}"
+        stuck = open_test_node(
+            s3_server, store_url, cache_dir=tmp_path / "stuck", admin_token="s3cret", vllm_urls=[url]
+        )
+        stuck.store.put(NS.config_key, json.dumps(NS.fields()).encode())
+        client = TestClient(create_app(stuck), headers=AUTH)
+        body: dict[str, Any] = {"namespace": NS.id, "token_ids": list(range(64))}
         body.update(timeout_s=600, poll_s=0)
         started = client.post("/v1/warm", json=body)
         assert started.status_code == 202, started.text
