@@ -19,12 +19,12 @@ from typing import Any
 from fastapi import FastAPI, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
 from kvstore.admin import routes_gc, routes_pins, routes_warm
 from kvstore.admin.limits import BodyLimit, validation_error
 from kvstore.admin.openapi import errors
 from kvstore.admin.status import Refreshed, Snapshot
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.events import open_publisher
 from kvstore.pins import PinSyncLoop

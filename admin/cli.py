@@ -113,6 +113,7 @@ def serve(
 ) -> None:
     """Run the admin service (health, metrics). Starts a local S3 server if none is configured."""
     import uvicorn
+
     from kvstore.admin.app import create_app
     from kvstore.admin.auth import is_loopback
 
@@ -455,9 +456,8 @@ def bench_tiers(
     the object path of a new node against raw GETs, the raw disk, and the codecs."""
     import time
 
-    from kvstore.connector.bench_tiers import run_tiers_bench
-
     from kvstore.bench.codecs import bench_codecs
+    from kvstore.connector.bench_tiers import run_tiers_bench
     from kvstore.runtime import EMBEDDED_BUCKET, open_object_store
 
     settings = _settings()
@@ -638,7 +638,6 @@ def bench_vllm(
     import time
 
     from kvstore.connector.bench_vllm import bench_scheduler, bench_ttft
-
     from kvstore.runtime import EMBEDDED_BUCKET, open_object_store
 
     settings = _settings()
@@ -740,6 +739,8 @@ def bench_multiturn(
     import tempfile
     import time
 
+    from rich.progress import Progress
+
     from kvstore.connector.bench_multiturn import (
         Sizing,
         StoreTarget,
@@ -749,8 +750,6 @@ def bench_multiturn(
     )
     from kvstore.connector.multiturn import Workload
     from kvstore.connector.tiny_model import build_tiny_model
-    from rich.progress import Progress
-
     from kvstore.runtime import EMBEDDED_BUCKET, open_object_store
 
     try:

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
-from kvstore.admin.auth import require_token
-from kvstore.admin.openapi import AUTH_ERRORS, PositiveJsonInt, errors
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvstore.admin.auth import require_token
+from kvstore.admin.openapi import AUTH_ERRORS, PositiveJsonInt, errors
 from kvstore.errors import KVStoreError
 from kvstore.gc import GCCancelled, list_reports, run_gc
 from kvstore.lease import LeaseHeld, read_lease

@@ -20,12 +20,12 @@ from typing import Annotated, Any
 
 import httpx
 from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response, status
-from kvstore.admin.auth import require_token
-from kvstore.admin.limits import check_tokens
-from kvstore.admin.openapi import AUTH_ERRORS, JsonInt, NonNegativeJsonInt, PositiveJsonInt, errors
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.config import JsonDict
 
+from kvstore.admin.auth import require_token
+from kvstore.admin.limits import check_tokens
+from kvstore.admin.openapi import AUTH_ERRORS, JsonInt, NonNegativeJsonInt, PositiveJsonInt, errors
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.hashing import DEFAULT_HASH_ALGO
 from kvstore.key_scheme import KeyScheme, check_scheme

@@ -16,14 +16,14 @@ from typing import Annotated, Any
 
 import httpx
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
+from pydantic import Field, field_validator
+from typing_extensions import override
+
 from kvstore.admin.auth import require_token
 from kvstore.admin.openapi import AUTH_ERRORS, errors
 from kvstore.admin.routes_gc import _registry
 from kvstore.admin.routes_pins import PIN_NAME_SCHEMA, TOKENIZE_TIMEOUT_S, PinIn, prepare, served_model
 from kvstore.admin.status import Snapshot
-from pydantic import Field, field_validator
-from typing_extensions import override
-
 from kvstore.errors import ConfigError
 from kvstore.pins import NamespaceNotFound, validate_pin_name
 from kvstore.runtime import Node

@@ -25,9 +25,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-from kvstore.connector.bench_tiers import Primary, close_tier, dd_bandwidth, fs_tier, keys_for, our_tier
 from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob
+
+from kvstore.connector.bench_tiers import Primary, close_tier, dd_bandwidth, fs_tier, keys_for, our_tier
 
 _STEP_S = 0.01
 _CACHE_BYTES = 16 << 30

@@ -35,11 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from kvstore.connector.standalone import standalone_spec
-from kvstore.connector.tier import KVStoreTier
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, make_offload_key
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+
+from kvstore.connector.standalone import standalone_spec
+from kvstore.connector.tier import KVStoreTier
 
 MiB = 1 << 20
 _STEP_S = 0.0005  # the pause between scheduler steps while a tier works (vLLM's engine loop)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from kvstore.connector.configs import cpu_tiering_config
 from kvstore.connector.engine_runner import run_engine
 from kvstore.connector.tiny_model import build_tiny_model, sample_text
@@ -144,9 +145,10 @@ def bench_scheduler(
     scheduler thread for the GIL all the time. Every step stores 32 chunks and, with `loads`, also loads
     32 (requests waiting for loads all the time: the tier then shortens the GIL switch interval).
     """
-    from kvstore.connector.standalone import standalone_tier
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
     from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    from kvstore.connector.standalone import standalone_tier
 
     chunk = chunk_kib * 1024
     slots = 4096

@@ -378,8 +378,9 @@ class _BlockRecorder:
     (``(num_blocks, page_bytes)`` over the engine's KV cache, the exact bytes a tier stores and loads)."""
 
     def __init__(self) -> None:
-        from kvstore.connector import cpu
         from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+        from kvstore.connector import cpu
 
         self.blocks: dict[str, list[int]] = {}
         self.workers: list[Any] = []

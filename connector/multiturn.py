@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
 from kvstore.connector.tiny_model import sample_text
 
 __all__ = ["TurnRecord", "Workload", "replay"]

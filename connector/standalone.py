@@ -10,7 +10,6 @@ import mmap
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.connector.tier import KVStoreTier
 from vllm.v1.kv_offload.base import OffloadingSpec
 from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
@@ -19,6 +18,8 @@ from vllm.v1.kv_offload.config import (
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
+
+from kvstore.connector.tier import KVStoreTier
 
 
 class StandaloneSpec(OffloadingSpec):

@@ -36,10 +36,6 @@ import time
 from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
-from kvstore.connector.engine_keys import engine_scheme, wait_for_engine_scheme
-from kvstore.connector.jobs import JobThreads
-from kvstore.connector.tier_events import parse_locality, to_vllm_events
-from kvstore.connector.tier_metrics import BackgroundStats, TierStats, metric_definitions
 from prometheus_client import CollectorRegistry
 from typing_extensions import override
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -60,6 +56,10 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvstore.access import AccessRecorder
 from kvstore.config import load_settings
+from kvstore.connector.engine_keys import engine_scheme, wait_for_engine_scheme
+from kvstore.connector.jobs import JobThreads
+from kvstore.connector.tier_events import parse_locality, to_vllm_events
+from kvstore.connector.tier_metrics import BackgroundStats, TierStats, metric_definitions
 from kvstore.engine import Presence, TieredStore
 from kvstore.errors import ConfigError, StoreError
 from kvstore.key_scheme import KeyScheme, namespace_schemes, record_scheme

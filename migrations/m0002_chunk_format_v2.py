@@ -18,12 +18,11 @@ import json
 import logging
 import struct
 
-from kvstore.migrations.runner import LAYOUT_KEY, MigrationContext
-
 from kvstore.cache.files import ChunkFiles
 from kvstore.chunk import decode_legacy, encode
 from kvstore.errors import ChunkError
 from kvstore.keys import is_chunk_key
+from kvstore.migrations.runner import LAYOUT_KEY, MigrationContext
 
 log = logging.getLogger(__name__)
 

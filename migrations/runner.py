@@ -46,7 +46,6 @@ LATEST_VERSION = cache_index.SCHEMA_VERSION
 MIGRATIONS = "kvstore.migrations"
 
 
-
 class MigrationError(KVStoreError):
     """A target cannot be migrated: newer than this code, malformed, or open in this process."""
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from kvstore.admin.app import create_app
 
+from kvstore.admin.app import create_app
 from kvstore.cache import NVMeCache
 from kvstore.keys import Namespace, make_offload_key
 from kvstore.pins import create_pin, delete_pin

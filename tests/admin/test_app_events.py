@@ -7,8 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from kvstore.admin.app import create_app
 
+from kvstore.admin.app import create_app
 from kvstore.events import OWNERSHIP_OBJECT
 from kvstore.keys import Namespace, make_offload_key
 from kvstore.runtime import Node

@@ -23,10 +23,10 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
-from kvstore.admin.app import create_app
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
+from kvstore.admin.app import create_app
 from kvstore.keys import KVCacheGroup, Namespace
 from kvstore.runtime import Node
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+
 from kvstore.admin.app import create_app
 from kvstore.admin.routes_pins import router
-
 from kvstore.hashing import chunk_keys
 from kvstore.key_scheme import record_scheme, scheme_for
 from kvstore.keys import KVCacheGroup, Namespace

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi.testclient import TestClient
-from kvstore.admin.app import create_app
 
+from kvstore.admin.app import create_app
 from kvstore.keys import KVCacheGroup, Namespace
 from kvstore.runtime import Node
 

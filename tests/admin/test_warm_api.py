@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from kvstore.admin.app import create_app
 
+from kvstore.admin.app import create_app
 from kvstore.key_scheme import record_scheme, scheme_for
 from kvstore.keys import KVCacheGroup, Namespace
 from kvstore.pins import get_pin, keys_for_tokens, tokens_from_prompt

@@ -244,8 +244,9 @@ def _env(container: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_k8s_admin_daemonset_shares_the_nodes_cache_with_the_tier() -> None:
-    from kvstore.admin.cli import app
     from typer.main import get_command
+
+    from kvstore.admin.cli import app
 
     docs = _manifests()
     assert all({"apiVersion", "kind", "metadata"} <= set(d) for d in docs)

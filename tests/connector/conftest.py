@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from kvstore.connector.tiny_model import build_tiny_model
 
 

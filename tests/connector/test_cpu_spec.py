@@ -47,7 +47,6 @@ def test_copy_worker_layout(tmp_path: Path) -> None:
     import uuid
 
     import torch
-    from kvstore.connector.cpu import CPUCopyWorker
     from vllm.v1.kv_offload.base import (
         CanonicalKVCacheRef,
         CanonicalKVCaches,
@@ -56,6 +55,8 @@ def test_copy_worker_layout(tmp_path: Path) -> None:
     )
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    from kvstore.connector.cpu import CPUCopyWorker
 
     page, bpc, num_blocks, num_chunks, layers = 4096, 2, 8, 4, 2
     row = page * bpc * layers

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvstore.connector.engine_runner import EngineRun, UnknownMetric
 
 

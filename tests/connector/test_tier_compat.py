@@ -21,8 +21,6 @@ import pytest
 pytest.importorskip("vllm", reason="vllm is not installed")
 
 import msgspec
-from kvstore.connector.standalone import StandaloneTier, standalone_spec, standalone_tier
-from kvstore.connector.tier import KVStoreTier
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading import events as vllm_events
 from vllm.v1.kv_offload.base import (
@@ -35,6 +33,8 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from kvstore.connector.standalone import StandaloneTier, standalone_spec, standalone_tier
+from kvstore.connector.tier import KVStoreTier
 from kvstore.errors import ConfigError
 from kvstore.events import OWNERSHIP_NVME, OWNERSHIP_OBJECT
 

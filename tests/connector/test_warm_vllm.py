@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+
 from kvstore.admin.app import create_app
 from kvstore.connector.configs import cpu_tiering_config
 from kvstore.connector.tiny_model import sample_text
 from kvstore.connector.vllm_server import VLLMServer, VLLMServerError, vllm_server
-
 from kvstore.key_scheme import namespace_schemes, scheme_for
 from kvstore.keys import CONFIG_FILENAME
 from kvstore.pins import load_namespace, tokens_from_messages, tokens_from_prompt

@@ -32,9 +32,9 @@ from typing import Any
 
 import httpx
 import uvicorn
-from kvstore.admin.app import create_app
 from prometheus_client import CollectorRegistry
 
+from kvstore.admin.app import create_app
 from kvstore.config import load_settings
 from kvstore.embedded import SeaweedServer
 from kvstore.errors import KVStoreError

@@ -55,12 +55,12 @@ def test_vllm_decodes_block_removed_batches(kv_subscriber: Any) -> None:
 
 
 def test_medium_locality_and_ownership_match_our_tier() -> None:
-    from kvstore.connector.tier import KVStoreTier
-    from kvstore.connector.tier_events import OWNERSHIP_OBJECT
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import _MEDIUM_TO_EVENT_STR
     from vllm.v1.kv_offload.base import Locality
 
     from kvstore import events
+    from kvstore.connector.tier import KVStoreTier
+    from kvstore.connector.tier_events import OWNERSHIP_OBJECT
 
     # The tier reports bucket copies as REMOTE storage (by default) owned by `KVStoreTier/object`.
     assert _MEDIUM_TO_EVENT_STR[KVStoreTier.medium] == events.MEDIUM_STORAGE
