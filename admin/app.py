@@ -27,7 +27,7 @@ from kvstore.admin.openapi import errors
 from kvstore.admin.status import Refreshed, Snapshot
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.events import open_publisher
-from kvstore.pins import PinSyncLoop
+from kvstore.pin_sync import PinSyncLoop
 from kvstore.runtime import Node
 from kvstore.stats import store_stats
 

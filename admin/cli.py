@@ -217,9 +217,10 @@ def pin_add(
 ) -> None:
     """Pin the chunks of a prompt (e.g. a system prompt) or of token ids, hashed like the namespace's
     engines (a seed none of them uses is refused); says how many of the chunks the bucket holds now."""
-    from kvstore.hashing import DEFAULT_HASH_ALGO
+    from kvstore.hashing import DEFAULT_HASH_ALGO, chunk_keys
     from kvstore.key_scheme import check_scheme
-    from kvstore.pins import create_pin, keys_for_tokens, load_namespace, present_chunks, tokens_from_prompt
+    from kvstore.pins import create_pin, load_namespace, present_chunks
+    from kvstore.prompts import tokens_from_prompt
     from kvstore.vllm_api import tokenize_with
 
     if (prompt is None) == (token_ids is None):
@@ -240,7 +241,7 @@ def pin_add(
                 assert prompt is not None
                 urls = [vllm_url] if vllm_url else settings.vllm_urls
                 tokens, _ = tokenize_with(urls, prompt, served_model=served_model)
-            keys = keys_for_tokens(ns, tokens, algo=scheme.hash_algo or DEFAULT_HASH_ALGO)
+            keys = chunk_keys(ns, tokens, algo=scheme.hash_algo or DEFAULT_HASH_ALGO)
             manifest = create_pin(store, name, ns, keys, ttl_seconds=ttl_seconds)
             present = present_chunks(store, manifest.keys)
         except (ValueError, ConfigError) as exc:
@@ -322,7 +323,7 @@ def warm(
     pin: Annotated[str | None, typer.Option(help="Also pin the chunks under this name")] = None,
 ) -> None:
     """Prefetch a prompt's chunks into this node's NVMe cache; have vLLM produce the missing ones."""
-    from kvstore.pins import tokens_from_prompt
+    from kvstore.prompts import tokens_from_prompt
     from kvstore.vllm_api import tokenize_with
     from kvstore.warm import warm as run_warm
 

@@ -5,7 +5,7 @@ chat messages that the serving engine itself tokenizes (`POST /tokenize` of the 
 serves `served_model`, with its chat template), hashed with the algorithm and seed the namespace's engines
 record (`kvstore.key_scheme`): a pin never names chunks its engines would not compute. The service calls only
 the endpoints of its `vllm_urls` setting and reads no file a request names. Nodes pick a pin up through
-`kvstore.pins.apply_pins`, which this service runs for its own node after every create and delete (the
+`kvstore.pin_sync.apply_pins`, which this service runs for its own node after every create and delete (the
 answer's `node_pins` says what changed, or why it could not); `present_chunks` says how many of its chunks
 the bucket holds. Errors map to 404 (unknown pin or namespace), 409 (name taken), 413 (body too large), 422
 (bad input, a seed no engine of the namespace uses, or more tokens or chunks than `admin_max_tokens` /
@@ -27,20 +27,19 @@ from kvstore.admin.auth import require_token
 from kvstore.admin.limits import check_tokens
 from kvstore.admin.openapi import AUTH_ERRORS, JsonInt, NonNegativeJsonInt, PositiveJsonInt, errors
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.hashing import DEFAULT_HASH_ALGO
+from kvstore.hashing import DEFAULT_HASH_ALGO, chunk_keys
 from kvstore.key_scheme import KeyScheme, check_scheme
 from kvstore.keys import KVCacheGroup, Namespace
+from kvstore.pin_sync import apply_pins
 from kvstore.pins import (
     NAMESPACE_ID_PATTERN,
     NamespaceNotFound,
     PinExists,
     PinManifest,
     PinNotFound,
-    apply_pins,
     create_pin,
     delete_pin,
     get_pin,
-    keys_for_tokens,
     list_pins,
     load_namespace,
     present_chunks,
@@ -246,7 +245,7 @@ def prepare(body: PinIn, node: Node, http: httpx.Client, *, what: str) -> Prepar
     tokens, served = _tokens(body, namespace, node, http)
     check_limits(namespace, tokens, body, node)
     scheme, warning = check_scheme(node.store, namespace)
-    keys = keys_for_tokens(
+    keys = chunk_keys(
         namespace, tokens, blocks_per_chunk=body.blocks_per_chunk, algo=scheme.hash_algo or DEFAULT_HASH_ALGO
     )
     if not keys:

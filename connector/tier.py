@@ -65,7 +65,7 @@ from kvstore.errors import ConfigError, StoreError
 from kvstore.key_scheme import KeyScheme, namespace_schemes, record_scheme
 from kvstore.keys import Namespace
 from kvstore.metrics import EngineMetrics
-from kvstore.pins import PinSyncLoop
+from kvstore.pin_sync import PinSyncLoop
 from kvstore.runtime import Node, open_node
 
 if TYPE_CHECKING:

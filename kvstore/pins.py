@@ -5,31 +5,22 @@ A manifest lives at `_meta/pins/<name>.json`::
     {"name", "namespace": <id>, "namespace_fields": {...}, "keys": [chunk keys],
      "created_at": <unix s>, "expires_at": <unix s> | null}
 
-The bucket is the source of truth; `apply_pins` brings one node's NVMe pin counts in line with it. Keys come
-from token ids, a prompt (the model's `tokenizer.json`) or chat messages (the model's chat template), hashed
-exactly as vLLM does (`kvstore.hashing`). Tokenizer support imports `tokenizers` and `jinja2` lazily, never
-`transformers` (which would pull in torch).
+The bucket is the source of truth: `kvstore.pin_sync` brings a node's NVMe pins in line with it, and GC reads
+it through `PinView`. A pin's keys are hashed exactly as vLLM does (`kvstore.hashing.chunk_keys`) from token
+ids, which come from the engine's own tokenizer (`kvstore.vllm_api`) or a model directory (`kvstore.prompts`).
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
-import os
 import re
-import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from kvstore.cache.nvme import NVMeCache
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.hashing import DEFAULT_HASH_ALGO
-from kvstore.hashing import chunk_keys as _chunk_keys
 from kvstore.keys import CONFIG_FILENAME, Namespace
 from kvstore.pin_fence import fenced_pin_write
 from kvstore.stores.base import ObjectStore
@@ -41,20 +32,14 @@ __all__ = [
     "PinExists",
     "PinManifest",
     "PinNotFound",
-    "PinSync",
-    "PinSyncLoop",
     "PinView",
-    "apply_pins",
     "create_pin",
     "delete_pin",
     "get_pin",
-    "keys_for_tokens",
     "list_pins",
     "load_namespace",
     "pinned_keys",
     "present_chunks",
-    "tokens_from_messages",
-    "tokens_from_prompt",
     "validate_pin_name",
 ]
 
@@ -67,7 +52,6 @@ _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 NAMESPACE_ID_PATTERN = r"[^/\x00-\x1f\x7f]{1,200}_[0-9a-f]{12}"
 _NAMESPACE_ID_RE = re.compile(NAMESPACE_ID_PATTERN)
 # What `apply_pins` pinned on this node, so a later run can take back exactly its own pins.
-_APPLIED_FILE = "pins-applied.json"
 
 
 class PinNotFound(KVStoreError, LookupError):
@@ -277,87 +261,7 @@ class PinView:
                 self.keys.update(manifest.keys)
 
 
-# -- node sync --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PinSync:
-    """What one `apply_pins` run changed on the node."""
-
-    pinned: int
-    unpinned: int
-    total: int
-
-
-def apply_pins(cache: NVMeCache, store: ObjectStore) -> PinSync:
-    """Make the node's pins match the bucket: pin keys of live manifests, unpin keys this function pinned
-    earlier that no manifest names any more. Pins taken by anything else (other tools, tests) are untouched,
-    because only this function's own record (`<cache_dir>/pins-applied.json`) is ever unpinned.
-
-    Serialised across the node's processes by an flock; the record is replaced atomically after the LMDB
-    commits, so a crash in between re-applies at most one run's delta on the next call."""
-    desired = pinned_keys(store)
-    directory = Path(cache.directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / (_APPLIED_FILE + ".lock"), "a+b") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        applied = _load_applied(directory / _APPLIED_FILE)
-        to_pin = sorted(desired - applied)
-        to_unpin = sorted(applied - desired)
-        if to_pin:
-            cache.pin(to_pin)
-        if to_unpin:
-            cache.unpin(to_unpin)
-        if to_pin or to_unpin or not (directory / _APPLIED_FILE).exists():
-            _save_applied(directory / _APPLIED_FILE, desired)
-    return PinSync(pinned=len(to_pin), unpinned=len(to_unpin), total=len(desired))
-
-
-class PinSyncLoop:
-    """`apply_pins` every `interval_s` on a daemon thread, so a pin created anywhere (another node's admin
-    service, the CLI) reaches this node's cache within one interval. Failures are logged and retried."""
-
-    def __init__(self, cache: NVMeCache, store: ObjectStore, interval_s: float = 60.0) -> None:
-        self._cache, self._store, self._interval = cache, store, interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvstore-pin-sync", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                apply_pins(self._cache, self._store)
-            except KVStoreError as exc:
-                log.warning("pin sync failed (retrying in %.0f s): %s", self._interval, exc)
-            if self._stop.wait(self._interval):
-                return
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def _load_applied(path: Path) -> set[str]:
-    try:
-        return set(json.loads(path.read_bytes())["keys"])
-    except FileNotFoundError:
-        return set()
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{path} is corrupt ({exc}); remove it and re-run to re-apply pins") from None
-
-
-def _save_applied(path: Path, keys: set[str]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".pins-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(json.dumps({"keys": sorted(keys)}).encode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-# -- namespaces and tokens --------------------------------------------------------------------------------
+# -- namespaces --------------------------------------------------------------------------------
 
 
 def load_namespace(store: ObjectStore, namespace_id: str, rank: int = 0) -> Namespace:
@@ -377,117 +281,6 @@ def load_namespace(store: ObjectStore, namespace_id: str, rank: int = 0) -> Name
     return namespace
 
 
-def keys_for_tokens(
-    namespace: Namespace,
-    token_ids: Sequence[int],
-    *,
-    blocks_per_chunk: int = 1,
-    algo: str = DEFAULT_HASH_ALGO,
-    seed: str | None = None,
-) -> list[str]:
-    """The chunk keys of every full chunk of `token_ids` (all groups), as the vLLM tier names them when its
-    engine hashes with `algo` and `seed` (see `kvstore.key_scheme.check_scheme` for the namespace's)."""
-    return _chunk_keys(namespace, token_ids, blocks_per_chunk=blocks_per_chunk, algo=algo, seed=seed)
-
-
 def present_chunks(store: ObjectStore, keys: Sequence[str], *, batch: int = 1000) -> int:
     """How many of `keys` the bucket holds now (a pin's chunks exist only once an engine stored them)."""
     return sum(sum(store.exists_many(list(keys[i : i + batch]))) for i in range(0, len(keys), batch))
-
-
-def tokens_from_prompt(
-    model_path: str | os.PathLike[str], prompt: str, *, add_special_tokens: bool = True
-) -> list[int]:
-    """Token ids of a completion prompt, as vLLM's completions endpoint tokenizes it (special tokens added by
-    the tokenizer's own post-processor)."""
-    return list(_tokenizer(model_path).encode(prompt, add_special_tokens=add_special_tokens).ids)
-
-
-def tokens_from_messages(
-    model_path: str | os.PathLike[str],
-    messages: Sequence[Mapping[str, Any]],
-    *,
-    add_generation_prompt: bool = False,
-) -> list[int]:
-    """Token ids of chat messages rendered with the model's chat template, as vLLM's chat endpoint does.
-
-    For a pin, pass only the shared head of the conversation (the system message): its full chunks are the
-    prefix every later conversation starts with. The rendered text carries its own special tokens, so it is
-    tokenized without adding more."""
-    text = render_chat(model_path, messages, add_generation_prompt=add_generation_prompt)
-    return list(_tokenizer(model_path).encode(text, add_special_tokens=False).ids)
-
-
-@dataclass(frozen=True)
-class _ChatTemplate:
-    source: str
-    special: Mapping[str, str] = field(default_factory=dict)
-
-
-def _chat_template(model_path: Path) -> _ChatTemplate:
-    try:
-        config = json.loads((model_path / "tokenizer_config.json").read_text())
-        if not isinstance(config, dict):
-            raise ValueError("not a JSON object")
-        template = config.get("chat_template")
-        if template is None and (model_path / "chat_template.jinja").exists():
-            template = (model_path / "chat_template.jinja").read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"{model_path} has no tokenizer_config.json") from None
-    except (OSError, ValueError) as exc:  # unreadable, not a directory, not JSON, not UTF-8
-        raise ConfigError(f"{model_path}: cannot read the chat template: {exc}") from None
-    if isinstance(template, list):  # named templates: the HF convention picks "default"
-        named = (t for t in template if isinstance(t, dict) and t.get("name") == "default")
-        template = next((t.get("template") for t in named), None)
-    if not isinstance(template, str):
-        raise ConfigError(f"{model_path} defines no chat template")
-    special: dict[str, str] = {}
-    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
-        value = config.get(name)
-        if isinstance(value, dict):
-            value = value.get("content")
-        if isinstance(value, str):
-            special[name] = value
-    return _ChatTemplate(template, special)
-
-
-def render_chat(
-    model_path: str | os.PathLike[str],
-    messages: Sequence[Mapping[str, Any]],
-    *,
-    add_generation_prompt: bool = False,
-) -> str:
-    """The chat template applied to `messages`, in the sandboxed Jinja environment HF templates expect."""
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    tpl = _chat_template(Path(model_path))
-
-    def raise_exception(message: str) -> None:
-        raise ConfigError(f"chat template: {message}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    try:
-        return env.from_string(tpl.source).render(
-            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **tpl.special
-        )
-    except ConfigError:
-        raise
-    # A template is a program over the caller's messages: what it raises means the messages don't fit it.
-    except (TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as exc:
-        raise ConfigError(f"chat template failed to render: {type(exc).__name__}: {exc}") from None
-
-
-def _tokenizer(model_path: str | os.PathLike[str]) -> Any:
-    from tokenizers import Tokenizer
-
-    path = Path(model_path) / "tokenizer.json"
-    if not path.is_file():
-        raise ConfigError(f"{model_path} has no tokenizer.json")
-    try:
-        return Tokenizer.from_file(str(path))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{model_path}: cannot read tokenizer.json: {exc}") from None
-    except Exception as exc:  # tokenizers raises plain `Exception` for a malformed file
-        raise ConfigError(f"{model_path}: tokenizer.json is not a tokenizer: {exc}") from None

@@ -1,7 +1,7 @@
 """Warm the cache for a prompt before traffic arrives: make its chunks exist in the bucket and on this node.
 
 `warm(node, namespace, token_ids, ...)` names the prompt's chunks exactly as the namespace's engines will
-(`kvstore.pins.keys_for_tokens` with the hash algorithm and seed they record, `kvstore.key_scheme`; a seed
+(`kvstore.hashing.chunk_keys` with the hash algorithm and seed they record, `kvstore.key_scheme`; a seed
 that matches none of them is refused), then for each chunk:
 
 - already on this node (NVMe or the upload queue): nothing to do;
@@ -31,10 +31,10 @@ import httpx
 from kvstore.engine import TieredStore
 from kvstore.engine.probes import Presence
 from kvstore.errors import ConfigError, KVStoreError, StoreError
-from kvstore.hashing import DEFAULT_HASH_ALGO
+from kvstore.hashing import DEFAULT_HASH_ALGO, chunk_keys
 from kvstore.key_scheme import check_scheme
 from kvstore.keys import Namespace
-from kvstore.pins import PinExists, create_pin, keys_for_tokens, load_namespace
+from kvstore.pins import PinExists, create_pin, load_namespace
 from kvstore.runtime import Node
 from kvstore.vllm_api import ServedModel, VLLMError, VLLMUnreachable, find_served, request_prefill
 
@@ -146,7 +146,7 @@ def warm(
     ns = load_namespace(node.store, namespace) if isinstance(namespace, str) else namespace
     scheme, warning = check_scheme(node.store, ns)
     algo = scheme.hash_algo or DEFAULT_HASH_ALGO
-    keys = list(dict.fromkeys(keys_for_tokens(ns, token_ids, blocks_per_chunk=blocks_per_chunk, algo=algo)))
+    keys = list(dict.fromkeys(chunk_keys(ns, token_ids, blocks_per_chunk=blocks_per_chunk, algo=algo)))
     if not keys:
         raise ConfigError(
             f"{len(token_ids)} tokens make no full chunk "

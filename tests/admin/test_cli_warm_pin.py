@@ -15,7 +15,8 @@ import pytest
 from kvstore.hashing import chunk_keys
 from kvstore.key_scheme import record_scheme, scheme_for
 from kvstore.keys import Namespace
-from kvstore.pins import get_pin, tokens_from_prompt
+from kvstore.pins import get_pin
+from kvstore.prompts import tokens_from_prompt
 from tests.admin.vllm_standin import VLLMStandIn
 from tests.helpers import cli_env
 

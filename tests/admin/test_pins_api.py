@@ -18,7 +18,7 @@ from kvstore.admin.routes_pins import router
 from kvstore.hashing import chunk_keys
 from kvstore.key_scheme import record_scheme, scheme_for
 from kvstore.keys import KVCacheGroup, Namespace
-from kvstore.pins import tokens_from_messages, tokens_from_prompt
+from kvstore.prompts import tokens_from_messages, tokens_from_prompt
 from kvstore.runtime import Node
 from tests.admin.vllm_standin import SECRET_ANSWER, VLLMStandIn
 

@@ -12,9 +12,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvstore.admin.app import create_app
+from kvstore.hashing import chunk_keys
 from kvstore.key_scheme import record_scheme, scheme_for
 from kvstore.keys import KVCacheGroup, Namespace
-from kvstore.pins import get_pin, keys_for_tokens, tokens_from_prompt
+from kvstore.pins import get_pin
+from kvstore.prompts import tokens_from_prompt
 from kvstore.runtime import Node
 from tests.admin.vllm_standin import SECRET_ANSWER, VLLMStandIn
 
@@ -39,7 +41,7 @@ def nodes(
     )
     producer.store.put(NS.config_key, json.dumps(NS.fields()).encode())
     record_scheme(producer.store, NS, scheme_for())  # as the producer's tier does at start-up
-    keys = keys_for_tokens(NS, TOKENS)
+    keys = chunk_keys(NS, TOKENS)
     producer.engine.store_many([(k, bytes(2048)) for k in keys])
     assert producer.engine.flush(30)
     return producer, admin
@@ -74,7 +76,7 @@ def test_warm_job_prefetches_and_pins(client: TestClient, nodes: tuple[Node, Nod
     result = job["result"]
     assert (result["total"], result["remote"], result["prefetched"], result["still_missing"]) == (4, 4, 4, 0)
     assert result["pin"] == "sys" and result["errors"] == []
-    keys = keys_for_tokens(NS, TOKENS)
+    keys = chunk_keys(NS, TOKENS)
     assert all(admin.cache.contains_many(keys))
     pin = get_pin(admin.store, "sys")
     assert list(pin.keys) == keys and pin.expires_at is not None
@@ -131,7 +133,7 @@ def test_missing_chunks_are_produced_by_the_configured_engine(
     tokens = tokens_from_prompt(vllm.model_dir, prompt)
 
     def prefill(token_ids: list[int]) -> None:  # what an engine running our tier does with the prompt
-        producer.engine.store_many([(k, bytes(2048)) for k in keys_for_tokens(NS, token_ids)])
+        producer.engine.store_many([(k, bytes(2048)) for k in chunk_keys(NS, token_ids)])
         producer.engine.flush(30)
 
     vllm.on_prefill = prefill
@@ -141,7 +143,7 @@ def test_missing_chunks_are_produced_by_the_configured_engine(
     assert accepted.json()["num_tokens"] == len(tokens) and accepted.json()["warnings"] == []
     job = wait_job(client, accepted.json()["id"])
     assert job["status"] == "done", job
-    total = len(keys_for_tokens(NS, tokens))
+    total = len(chunk_keys(NS, tokens))
     assert (job["result"]["produced"], job["result"]["still_missing"]) == (total, 0)
     assert vllm.calls("POST /v1/completions") == [
         {"model": "tiny", "prompt": tokens, "max_tokens": 1, "temperature": 0}

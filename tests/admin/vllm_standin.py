@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from kvstore.pins import tokens_from_messages, tokens_from_prompt
+from kvstore.prompts import tokens_from_messages, tokens_from_prompt
 
 SECRET_ANSWER = "internal detail the admin service must never echo"
 

@@ -24,7 +24,8 @@ from kvstore.connector.tiny_model import sample_text
 from kvstore.connector.vllm_server import VLLMServer, VLLMServerError, vllm_server
 from kvstore.key_scheme import namespace_schemes, scheme_for
 from kvstore.keys import CONFIG_FILENAME
-from kvstore.pins import load_namespace, tokens_from_messages, tokens_from_prompt
+from kvstore.pins import load_namespace
+from kvstore.prompts import tokens_from_messages, tokens_from_prompt
 from kvstore.runtime import Node
 from kvstore.warm import warm
 from tests.helpers import require_vllm, wait_job, wait_value

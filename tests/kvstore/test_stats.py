@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from kvstore.gc import run_gc
+from kvstore.hashing import chunk_keys
 from kvstore.keys import KVCacheGroup, Namespace
-from kvstore.pins import create_pin, keys_for_tokens
+from kvstore.pins import create_pin
 from kvstore.runtime import Node
 from kvstore.stats import bucket_size, node_stats
 
@@ -40,7 +41,7 @@ def test_empty_node(node: Node) -> None:
 
 
 def test_figures_after_traffic(node: Node) -> None:
-    keys = keys_for_tokens(NS, list(range(96)))  # 6 chunks
+    keys = chunk_keys(NS, list(range(96)))  # 6 chunks
     node.engine.store_many([(k, bytes(1000)) for k in keys])
     assert node.engine.flush(30)
     node.store.put("_meta/access/x.bin", b"meta objects are not chunks")
@@ -96,7 +97,7 @@ def test_every_region_is_reported(
          {"url": "s3://nobucket/x", "name": "gone", "endpoint": "http://127.0.0.1:9"}],
         remote_timeout_s=0.5,
     )  # fmt: skip
-    [key] = keys_for_tokens(NS, list(range(16)))
+    [key] = chunk_keys(NS, list(range(16)))
     with s3_server.store(s3_store.bucket, far) as remote:
         remote.put(key, encode(key, bytes(1000)).to_bytes())
     assert node.engine.get(key) == bytes(1000)  # served by "eu", then copied home
@@ -120,7 +121,7 @@ def test_stats_are_the_nodes_not_the_tools(
 
     url = f"s3://{s3_store.bucket}/{s3_store.prefix}"
     first = open_test_node(s3_server, url, cache_bytes=16 << 20)
-    keys = keys_for_tokens(NS, list(range(64)))
+    keys = chunk_keys(NS, list(range(64)))
     first.engine.store_many([(k, bytes(1000)) for k in keys])
     first.engine.lookup(keys, wait=True)  # 4 NVMe hits
     first.engine.publish_counters()

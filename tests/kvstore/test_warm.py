@@ -19,9 +19,10 @@ import pytest
 
 from kvstore.chunk import encode
 from kvstore.errors import ConfigError
+from kvstore.hashing import chunk_keys
 from kvstore.key_scheme import KeyScheme, SeedMismatch, record_scheme, scheme_for
 from kvstore.keys import KVCacheGroup, Namespace
-from kvstore.pins import NamespaceNotFound, get_pin, keys_for_tokens
+from kvstore.pins import NamespaceNotFound, get_pin
 from kvstore.runtime import Node
 from kvstore.warm import VLLMError, VLLMUnreachable, prefetch, warm
 
@@ -59,7 +60,7 @@ def seed(node: Node, keys: list[str]) -> None:
 
 
 def test_prefetch_warms_a_second_node(make_node: Callable[[str], Node]) -> None:
-    keys = keys_for_tokens(NS, TOKENS)
+    keys = chunk_keys(NS, TOKENS)
     seed(make_node("a"), keys)
     b = make_node("b")
     report = warm(b, NS.id, TOKENS)
@@ -75,7 +76,7 @@ def test_prefetch_warms_a_second_node(make_node: Callable[[str], Node]) -> None:
 
 
 def test_no_prefetch_only_reports(make_node: Callable[[str], Node]) -> None:
-    keys = keys_for_tokens(NS, TOKENS)
+    keys = chunk_keys(NS, TOKENS)
     seed(make_node("a"), keys[:4])
     b = make_node("b")
     report = warm(b, NS.id, TOKENS, prefetch=False)
@@ -84,7 +85,7 @@ def test_no_prefetch_only_reports(make_node: Callable[[str], Node]) -> None:
 
 
 def test_prefetch_function_counts_and_skips_bad_objects(make_node: Callable[[str], Node]) -> None:
-    keys = keys_for_tokens(NS, TOKENS)
+    keys = chunk_keys(NS, TOKENS)
     seed(make_node("a"), keys[:3])
     b = make_node("b")
     b.store.put(keys[3], b"not a chunk")
@@ -94,7 +95,7 @@ def test_prefetch_function_counts_and_skips_bad_objects(make_node: Callable[[str
 
 
 def test_a_cancelled_warm_stops_before_its_next_batch(make_node: Callable[[str], Node]) -> None:
-    keys = keys_for_tokens(NS, TOKENS)
+    keys = chunk_keys(NS, TOKENS)
     seed(make_node("a"), keys)
     b = make_node("b")
     cancel = threading.Event()
@@ -105,7 +106,7 @@ def test_a_cancelled_warm_stops_before_its_next_batch(make_node: Callable[[str],
 
 
 def test_corrupt_remote_chunk_counts_as_missing(make_node: Callable[[str], Node]) -> None:
-    keys = keys_for_tokens(NS, TOKENS)
+    keys = chunk_keys(NS, TOKENS)
     seed(make_node("a"), keys[:9])
     b = make_node("b")
     b.store.put(keys[9], encode(keys[9], b"x" * 64).to_bytes()[:-8])  # truncated: fails its check
@@ -115,7 +116,7 @@ def test_corrupt_remote_chunk_counts_as_missing(make_node: Callable[[str], Node]
 
 
 def test_pin_is_written_once(make_node: Callable[[str], Node]) -> None:
-    keys = keys_for_tokens(NS, TOKENS)
+    keys = chunk_keys(NS, TOKENS)
     a = make_node("a")
     seed(a, keys)
     report = warm(a, NS.id, TOKENS, pin="sys", pin_ttl_s=60)
@@ -147,7 +148,7 @@ def test_unreachable_vllm_is_a_typed_error_naming_the_url(make_node: Callable[[s
 
 
 def test_vllm_request_produces_chunks(make_node: Callable[[str], Node]) -> None:
-    keys = keys_for_tokens(NS, TOKENS)
+    keys = chunk_keys(NS, TOKENS)
     a = make_node("a")
     seed(a, keys[:2])
     b = make_node("b")
@@ -207,7 +208,7 @@ def test_keeps_kvstore_free_of_vllm_and_torch() -> None:
 
 
 def test_a_remembered_miss_does_not_hide_a_new_chunk(make_node: Callable[[str], Node]) -> None:
-    keys = keys_for_tokens(NS, TOKENS)
+    keys = chunk_keys(NS, TOKENS)
     a, b = make_node("a"), make_node("b")
     publish(a)
     assert warm(b, NS.id, TOKENS).still_missing == 10  # b's engine now remembers 10 misses
@@ -226,7 +227,7 @@ def test_keys_follow_the_namespace_engines_or_are_refused(
     with pytest.raises(SeedMismatch, match="set PYTHONHASHSEED as they do"):
         warm(b, NS.id, TOKENS)  # this shell's seed names chunks no engine of the namespace writes
     monkeypatch.setenv("PYTHONHASHSEED", "11")
-    keys = keys_for_tokens(NS, TOKENS, algo="sha256_cbor", seed="11")
+    keys = chunk_keys(NS, TOKENS, algo="sha256_cbor", seed="11")
     a.engine.store_many([(k, raw_for(k)) for k in keys])
     assert a.engine.flush(30)
     report = warm(b, NS.id, TOKENS, pin="cbor")

@@ -1,0 +1,74 @@
+"""A node's pins follow the bucket's manifests (real S3 bucket, real NVMe cache)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstore.cache.nvme import NVMeCache
+from kvstore.hashing import chunk_keys
+from kvstore.keys import KVCacheGroup, Namespace
+from kvstore.pin_sync import PinSyncLoop, apply_pins
+from kvstore.pins import create_pin, delete_pin
+from kvstore.stores.base import ObjectStore
+
+NS = Namespace(
+    model_name="org/tiny", tokens_per_hash=16, dtype="bfloat16", kv_cache_groups=(KVCacheGroup(16, ("l0",)),)
+)
+
+
+def _keys(n_tokens: int, start: int = 0) -> list[str]:
+    return chunk_keys(NS, list(range(start, start + n_tokens)))
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Iterator[NVMeCache]:
+    with NVMeCache(tmp_path / "nvme", 1 << 20) as c:
+        yield c
+
+
+def test_apply_pins_syncs_node(s3_store: ObjectStore, cache: NVMeCache) -> None:
+    a, b = _keys(32), _keys(32, start=500)
+    create_pin(s3_store, "a", NS, a)
+    create_pin(s3_store, "b", NS, b + a[:1])  # overlapping key: pinned once by the sync
+    cache.pin([b[0]])  # someone else's pin must survive our unpin
+    sync = apply_pins(cache, s3_store)
+    assert (sync.pinned, sync.unpinned, sync.total) == (4, 0, 4)
+    assert [cache.pinned(k) for k in a] == [1, 1]
+    assert [cache.pinned(k) for k in b] == [2, 1]
+    again = apply_pins(cache, s3_store)
+    assert (again.pinned, again.unpinned) == (0, 0)
+    delete_pin(s3_store, "b")
+    sync = apply_pins(cache, s3_store)
+    assert (sync.pinned, sync.unpinned) == (0, 2)
+    assert [cache.pinned(k) for k in b] == [1, 0]
+    assert [cache.pinned(k) for k in a] == [1, 1]
+    # Pinned chunks survive eviction pressure once cached.
+    blob = b"x" * 400_000
+    assert cache.put(a[0], blob)
+    assert cache.put(b[1], blob)
+    assert cache.put("other/k.bin", blob)
+    assert cache.contains(a[0]) and not cache.contains(b[1])
+
+
+def _until(condition: Callable[[], bool], bound_s: float = 30.0) -> bool:
+    """Poll `condition()` until true; the bound only ends a broken run (this is not a timing check)."""
+    deadline = time.monotonic() + bound_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_pin_sync_loop_follows_the_bucket(s3_store: ObjectStore, cache: NVMeCache) -> None:
+    keys = _keys(32)
+    loop = PinSyncLoop(cache, s3_store, interval_s=0.05)
+    try:
+        create_pin(s3_store, "made-elsewhere", NS, keys)
+        assert _until(lambda: all(cache.pinned(k) == 1 for k in keys))
+        delete_pin(s3_store, "made-elsewhere")
+        assert _until(lambda: all(cache.pinned(k) == 0 for k in keys))
+    finally:
+        loop.stop()
