@@ -12,11 +12,14 @@ Only `.bin` objects outside `_meta/` are chunks; `config.json`, pins, leases, re
 never touched. Objects younger than `grace_seconds` (by `last_modified`, plus one second because listings
 truncate it to whole seconds) and pinned keys always survive.
 
-Pins: the run reads the bucket's pin manifests itself, under the lease, and re-reads them (only the changed
-ones) before every delete batch, inside the pin fence (`kvstore.pin_fence`) that pin creation also goes
-through; so no interleaving with `create_pin` deletes a chunk while a manifest names it. Chunks chosen before
-a pin appeared and spared at delete time count as `kept_pinned`; such a pin may leave the bucket over its
-byte budget until the next run.
+Pins (the one pin policy: `kvstore gc` and the admin service's `POST /v1/gc` both call `run_gc` with the
+node's cache, so they keep the same chunks): the run always reads the bucket's pin manifests itself, under the
+lease, and re-reads them (only the changed ones) before every delete batch, inside the pin fence
+(`kvstore.pin_fence`) that pin creation also goes through; so no interleaving with `create_pin` deletes a
+chunk while a manifest names it. Given the node's NVMe cache (`cache`), chunks pinned there are kept as well
+(a pin applied to the node whose manifest is gone, or not yet listed). Chunks chosen before a pin appeared
+and spared at delete time count as `kept_pinned`; such a pin may leave the bucket over its byte budget until
+the next run.
 
 Memory bound of the budget pass: pass 1 builds a histogram of survivor bytes by age, with logarithmic buckets
 1% wide (about 2,000 buckets span a second to decades), so its size does not grow with the bucket. Walking it
@@ -42,7 +45,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Set
 from dataclasses import asdict, dataclass
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import zstandard
 
@@ -54,7 +57,7 @@ from kvstore.pin_fence import DeleteFence
 from kvstore.pins import PinView
 from kvstore.stores import ObjectInfo, ObjectStore
 
-__all__ = ["GC_REPORT_PREFIX", "GCCancelled", "GCReport", "Pinned", "list_reports", "run_gc"]
+__all__ = ["GC_REPORT_PREFIX", "CachePins", "GCCancelled", "GCReport", "Pinned", "list_reports", "run_gc"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,12 @@ _LOG_STEP = math.log(1.01)  # histogram bucket width: 1% of the age
 LISTING_RESOLUTION_S = 1.0
 
 Pinned: TypeAlias = Callable[[str], bool] | Set[str]
+
+
+class CachePins(Protocol):
+    """What GC asks of a node's NVMe cache (`kvstore.cache.NVMeCache`): a key's pin count there."""
+
+    def pinned(self, key: str) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -148,7 +157,7 @@ class _Deleter:
         self,
         store: ObjectStore,
         lease: Lease,
-        pins: PinView | None,
+        pins: PinView,
         is_pinned: Callable[[str], bool],
         dry_run: bool,
         on_removed: Callable[[list[str]], None] | None,
@@ -173,8 +182,7 @@ class _Deleter:
             self.flush()
 
     def _refresh_pins(self) -> None:
-        if self._pins is not None:
-            self._pins.refresh()
+        self._pins.refresh()
 
     def _split(self, batch: list[_Victim]) -> list[_Victim]:
         doomed = [v for v in batch if not self._is_pinned(v.key)]
@@ -298,8 +306,8 @@ def run_gc(
     max_bytes: int | None = None,
     grace_seconds: float,
     dry_run: bool = False,
+    cache: CachePins | None = None,
     pinned: Pinned = frozenset(),
-    bucket_pins: bool = True,
     now: float | None = None,
     on_removed: Callable[[list[str]], None] | None = None,
     holder: str | None = None,
@@ -310,10 +318,11 @@ def run_gc(
     """Run one GC pass over `store` (see the module docstring). Raises `LeaseHeld` if another GC runs,
     `GCCancelled` once `cancel` is set (checked between listing pages and before each delete batch).
 
-    The pin manifests in the bucket are read under the lease and re-read before every delete batch through
-    the pin fence, so a pin created while GC runs never loses a chunk (`bucket_pins=False` skips them, for
-    stores that hold no manifests); `pinned` adds keys kept for other reasons (a key predicate or a set,
-    e.g. a node's cache pins). `now` is the clock GC judges ages by (tests advance it instead of sleeping);
+    The pin policy is decided here, the same for every caller: the pin manifests in the bucket are always
+    honoured (read under the lease and re-read before every delete batch through the pin fence, so a pin
+    created while GC runs never loses a chunk), and so are the pins of `cache`, the node's NVMe cache, when
+    GC runs on a node (the CLI and the admin service pass it). `pinned` adds keys kept for other reasons (a
+    key predicate or a set). `now` is the clock GC judges ages by (tests advance it instead of sleeping);
     `on_removed` gets each deleted batch (never called in a dry run)."""
     _check_seconds("ttl_seconds", ttl_seconds)
     _check_seconds("grace_seconds", grace_seconds)
@@ -329,12 +338,11 @@ def run_gc(
     c = _Counts()
 
     with Lease(store, "gc", ttl_s=lease_ttl_s, holder=holder) as lease:
-        pins = PinView(store) if bucket_pins else None
-        if pins is not None:
-            pins.refresh()
+        pins = PinView(store)
+        pins.refresh()
 
         def is_pinned(key: str) -> bool:
-            return (pins is not None and key in pins.keys) or extra_pins(key)
+            return key in pins.keys or (cache is not None and cache.pinned(key) > 0) or extra_pins(key)
 
         access, record_keys = _merge_access(store)
         access_keys = len(access)
@@ -436,7 +444,7 @@ def run_gc(
             access_records=len(record_keys),
             access_keys=access_keys,
             records_compacted=compacted,
-            pin_manifests=pins.manifests if pins is not None else 0,
+            pin_manifests=pins.manifests,
             pin_fence_wait_s=round(deleter.fence.waited_s, 3),
             report_key=_report_key(started_at, run_id),
         )

@@ -95,6 +95,31 @@ def test_ttl_deletes_only_idle_unpinned(s3_store: Any) -> None:
     assert again.deleted == 0 and survivors <= present(s3_store)
 
 
+class CachePinCounts:
+    """A node cache's pin counts, as GC asks for them (`kvstore.gc.CachePins`)."""
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        self.counts = counts
+
+    def pinned(self, key: str) -> int:
+        return self.counts.get(key, 0)
+
+
+def test_bucket_pins_and_the_node_caches_pins_both_keep_chunks(s3_store: Any) -> None:
+    from kvstore.keys import Namespace, make_offload_key
+    from kvstore.pins import create_pin
+
+    ns = Namespace(model_name="org/tiny", tokens_per_hash=16, dtype="bf16")
+    keys = [ns.chunk_key(make_offload_key(i.to_bytes(32, "big"))) for i in range(4)]
+    write_chunks(s3_store, keys)
+    create_pin(s3_store, "sys", ns, [keys[0]])
+    t0 = server_time(s3_store)
+    cache = CachePinCounts({keys[1]: 2, keys[2]: 0})  # a count of 0 is no pin
+    report = run_gc(s3_store, ttl_seconds=10, grace_seconds=0, cache=cache, now=t0 + 100)
+    assert report.kept_pinned == 2 and report.deleted == 2 and report.pin_manifests == 1
+    assert {keys[0], keys[1]} <= present(s3_store) and not {keys[2], keys[3]} & present(s3_store)
+
+
 def test_grace_protects_young_objects(s3_store: Any) -> None:
     keys = [chunk(i) for i in range(5)]
     write_chunks(s3_store, keys)
