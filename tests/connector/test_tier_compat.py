@@ -33,7 +33,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvstore.connector.standalone import StandaloneTier, standalone_spec, standalone_tier
+from kvstore.connector.harness.standalone import StandaloneTier, standalone_spec, standalone_tier
 from kvstore.connector.tier import KVStoreTier
 from kvstore.errors import ConfigError
 from kvstore.events import OWNERSHIP_NVME, OWNERSHIP_OBJECT

@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import Offl
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, make_offload_key
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvstore.connector.standalone import StandaloneTier, standalone_tier
+from kvstore.connector.harness.standalone import StandaloneTier, standalone_tier
 from kvstore.connector.tier import KVStoreTier, UnknownChunk, prefix_chains
 from kvstore.connector.tier_metrics import (
     CHECKSUM_FAILURES,

@@ -1,10 +1,10 @@
 """Warming and pinning against a real vLLM OpenAI server (CPU backend, tiny model) with our tier on a real
 bucket: the library call, and the admin service tokenizing through the engine's own `/tokenize`.
 
-The server runs through `connector/vllm_server.py` (its own process group and TMPDIR; the group is killed and
-its /dev/shm entries removed at the end, whatever happens). A server that does not come up within a generous
-deadline (`KVSTORE_TEST_VLLM_START_S`, default 600 s) fails the test with its log tail: a slow or hung start
-is a finding, never a skip.
+The server runs through `connector/harness/vllm_server.py` (its own process group and TMPDIR; the group is
+killed and its /dev/shm entries removed at the end, whatever happens). A server that does not come up within
+a generous deadline (`KVSTORE_TEST_VLLM_START_S`, default 600 s) fails the test with its log tail: a slow or
+hung start is a finding, never a skip.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from fastapi.testclient import TestClient
 
 from kvstore.admin.app import create_app
 from kvstore.connector.configs import cpu_tiering_config
-from kvstore.connector.tiny_model import sample_text
-from kvstore.connector.vllm_server import VLLMServer, VLLMServerError, vllm_server
+from kvstore.connector.harness.tiny_model import sample_text
+from kvstore.connector.harness.vllm_server import VLLMServer, VLLMServerError, vllm_server
 from kvstore.key_scheme import namespace_schemes, scheme_for
 from kvstore.keys import CONFIG_FILENAME
 from kvstore.pins import load_namespace

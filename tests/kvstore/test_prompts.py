@@ -13,7 +13,7 @@ from kvstore.prompts import tokens_from_messages, tokens_from_prompt
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvstore.connector.tiny_model import build_tiny_model
+    from kvstore.connector.harness.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 

@@ -8,9 +8,9 @@ import io
 import pytest
 from rich.console import Console
 
-from kvstore.admin.demo_view import _print_report
-from kvstore.connector.demo import DemoReport, TierCounts
-from kvstore.connector.multiturn import TurnRecord
+from kvstore.connector.demo.run import DemoReport, TierCounts
+from kvstore.connector.demo.view import _print_report
+from kvstore.connector.harness.multiturn import TurnRecord
 
 ADMIN = "http://127.0.0.1:48750"
 VLLM = "http://127.0.0.1:39123"

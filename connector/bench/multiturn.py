@@ -2,8 +2,9 @@
 
 The workload of vLLM's tiered-offloading benchmark, scaled to the machine: every conversation opens with a
 long context and adds a fixed number of tokens per turn; all conversations are active at once (see
-`kvstore.connector.multiturn`). Sweeping the number of conversations moves the KV that must survive between
-two turns of a conversation from "fits in the engine's KV cache" past "fits in the CPU tier" to well beyond.
+`kvstore.connector.harness.multiturn`). Sweeping the number of conversations moves the KV that must survive
+between two turns of a conversation from "fits in the engine's KV cache" past "fits in the CPU tier" to well
+beyond.
 
 Methods, each on a fresh server (fresh directories, a fresh bucket prefix): no offloading (engine prefix cache
 only), the CPU tier alone, CPU + vLLM's `fs` tier, CPU + KVStoreTier. Per point: prompt tokens/s (cache hits
@@ -33,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.connector.configs import cpu_tiering_config
-from kvstore.connector.multiturn import TurnRecord, Workload, replay
-from kvstore.connector.vllm_server import VLLMServer, metric_total, vllm_server
+from kvstore.connector.harness.multiturn import TurnRecord, Workload, replay
+from kvstore.connector.harness.vllm_server import VLLMServer, metric_total, vllm_server
 
 __all__ = [
     "METHODS",

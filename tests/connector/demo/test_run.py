@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from kvstore.config import load_settings
-from kvstore.connector.demo import DemoOptions, DemoReport, run_demo
-from kvstore.connector.engine_runner import shm_snapshot
-from kvstore.connector.multiturn import TurnRecord
+from kvstore.connector.demo.run import DemoOptions, DemoReport, run_demo
+from kvstore.connector.harness.engine_runner import shm_snapshot
+from kvstore.connector.harness.multiturn import TurnRecord
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 

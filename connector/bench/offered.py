@@ -28,7 +28,7 @@ import numpy as np
 from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob
 
-from kvstore.connector.bench_tiers import Primary, close_tier, dd_bandwidth, fs_tier, keys_for, our_tier
+from kvstore.connector.bench.tiers import Primary, close_tier, dd_bandwidth, fs_tier, keys_for, our_tier
 
 _STEP_S = 0.01
 _CACHE_BYTES = 16 << 30

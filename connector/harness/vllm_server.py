@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore.connector.engine_runner import remove_new_shm, shm_snapshot, vllm_child_env
+from kvstore.connector.harness.engine_runner import remove_new_shm, shm_snapshot, vllm_child_env
 
 __all__ = ["VLLMServer", "VLLMServerError", "metric_total", "parse_metrics", "vllm_server"]
 

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from kvstore.connector.configs import cpu_tiering_config
-from kvstore.connector.engine_runner import run_engine
-from kvstore.connector.tiny_model import build_tiny_model, sample_text
+from kvstore.connector.harness.engine_runner import run_engine
+from kvstore.connector.harness.tiny_model import build_tiny_model, sample_text
 
 
 @dataclass
@@ -148,7 +148,7 @@ def bench_scheduler(
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
     from vllm.v1.kv_offload.tiering.base import TransferJob
 
-    from kvstore.connector.standalone import standalone_tier
+    from kvstore.connector.harness.standalone import standalone_tier
 
     chunk = chunk_kib * 1024
     slots = 4096

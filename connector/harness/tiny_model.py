@@ -6,7 +6,7 @@ in safetensors, and a byte-level BPE tokenizer trained on built-in text. The out
 meaningless text but fully deterministic, which is all KV-cache tests need: the same
 prompt gives the same KV bytes and the same greedy tokens on every build.
 
-Usage: ``build_tiny_model(path)`` or ``python -m kvstore.connector.tiny_model DIR``.
+Usage: ``build_tiny_model(path)`` or ``python -m kvstore.connector.harness.tiny_model DIR``.
 """
 
 from __future__ import annotations
@@ -237,5 +237,5 @@ def build_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec | None = 
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m kvstore.connector.tiny_model DIR")
+        sys.exit("usage: python -m kvstore.connector.harness.tiny_model DIR")
     print(build_tiny_model(sys.argv[1]))

@@ -39,7 +39,7 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, make_o
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
-from kvstore.connector.standalone import standalone_spec
+from kvstore.connector.harness.standalone import standalone_spec
 from kvstore.connector.tier import KVStoreTier
 
 MiB = 1 << 20

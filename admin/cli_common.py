@@ -1,0 +1,100 @@
+"""What every `kvstore` command shares: the consoles, the exit codes, and settings, stores and nodes opened
+with their failures turned into a message and an exit code.
+
+Exit codes scripts and cron can rely on: 0 success, 1 a check found problems (fsck), 2 bad usage or
+configuration, 3 the store or cache could not be used, 4 another GC holds the lease (try later).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import typer
+from rich.console import Console
+
+from kvstore.config import Settings, load_settings
+from kvstore.errors import ConfigError, KVStoreError
+from kvstore.stores import ObjectStore
+
+if TYPE_CHECKING:
+    from kvstore.runtime import Node
+
+__all__ = [
+    "EXIT_BUSY",
+    "EXIT_CONFIG",
+    "EXIT_PROBLEMS",
+    "EXIT_UNAVAILABLE",
+    "console",
+    "err",
+    "finite_seconds",
+    "node_or_exit",
+    "settings_or_exit",
+    "store_or_exit",
+]
+
+EXIT_PROBLEMS, EXIT_CONFIG, EXIT_UNAVAILABLE, EXIT_BUSY = 1, 2, 3, 4
+
+# Piped into a file, tables keep whole cells: rich would otherwise fit them to 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, soft_wrap=True)  # messages stay one line (scripts grep them)
+
+
+def settings_or_exit(**overrides: object) -> Settings:
+    try:
+        return load_settings(**overrides)
+    except ConfigError as exc:
+        err.print(f"[red]configuration error:[/red] {exc}")
+        raise typer.Exit(EXIT_CONFIG) from None
+
+
+def finite_seconds(option: str, value: float | None, *, positive: bool = False) -> None:
+    """Refuse NaN, infinities and negatives (click's ranges let NaN through: every comparison is False)."""
+    if value is None:
+        return
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        err.print(f"[red]bad arguments:[/red] {option} must be a finite number {bound}, got {value}")
+        raise typer.Exit(EXIT_CONFIG)
+
+
+@contextlib.contextmanager
+def store_or_exit(settings: Settings, failure: str, *, subprefix: str = "") -> Iterator[ObjectStore]:
+    """The configured object store (the embedded one if none), closed on exit; a store error becomes a
+    message and exit code 3."""
+    from kvstore.runtime import open_object_store
+
+    try:
+        store, server = open_object_store(settings, subprefix=subprefix)
+    except ConfigError as exc:
+        err.print(f"[red]{failure}:[/red] {exc}")
+        raise typer.Exit(EXIT_CONFIG) from None
+    except KVStoreError as exc:
+        err.print(f"[red]{failure}:[/red] {exc}")
+        raise typer.Exit(EXIT_UNAVAILABLE) from None
+    try:
+        yield store
+    except KVStoreError as exc:
+        err.print(f"[red]{failure}:[/red] {exc}")
+        raise typer.Exit(EXIT_UNAVAILABLE) from None
+    finally:
+        store.close()
+        if server is not None:
+            server.stop()
+
+
+def node_or_exit(settings: Settings, failure: str, *, check_store: bool = True) -> Node:
+    """`open_node`, with a bad configuration as exit code 2 and an unusable store or cache as 3."""
+    from kvstore.runtime import open_node
+
+    try:
+        return open_node(settings, check_store=check_store)
+    except ConfigError as exc:
+        err.print(f"[red]{failure}:[/red] {exc}")
+        raise typer.Exit(EXIT_CONFIG) from None
+    except KVStoreError as exc:
+        err.print(f"[red]{failure}:[/red] {exc}")
+        raise typer.Exit(EXIT_UNAVAILABLE) from None

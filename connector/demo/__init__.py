@@ -1,0 +1,1 @@
+"""`kvstore demo`: the whole system on one machine (`run`), and what it prints (`view`)."""

@@ -1,0 +1,8 @@
+"""What the demo, the benchmarks and the tests drive the tier with; nothing here runs inside a serving engine.
+
+- `tiny_model`: builds a small local model (no model hub here);
+- `vllm_server`: a vLLM OpenAI server as a subprocess, stopped with everything it leaves in /dev/shm and /tmp;
+- `engine_runner`: an in-process vLLM engine whose KV blocks can be read back and compared;
+- `standalone`: the tier outside an engine, on a primary region of our own, through vLLM's tier API;
+- `multiturn`: the multi-turn chat replay the demo and `kvstore bench multiturn` send.
+"""
