@@ -33,9 +33,6 @@ def require_token(
         raise HTTPException(status.HTTP_403_FORBIDDEN, "invalid bearer token")
 
 
-Authorized = Depends(require_token)
-
-
 def is_loopback(host: str) -> bool:
     """Whether binding `host` can only be reached from this machine: a loopback address, `localhost`, or a
     name that resolves to loopback addresses only. An empty host (all interfaces) or an unresolvable one
