@@ -2,7 +2,9 @@
 
 Routes here: `/healthz` (store and cache reachability; the store is checked in the background, so it answers
 within two seconds whatever the store does) and `/metrics` (Prometheus), open to all; the `/v1`
-resource routers (GC and jobs, pins, warm and stats) require the admin bearer token when one is configured.
+resource routers (`routes_gc`, `routes_jobs`, `routes_pins`, `routes_warm`, `routes_stats`) require the admin
+bearer token when one is configured. What they share is built here once and stored on `app.state`; routes
+receive it through the dependencies of `kvstore.admin.deps`.
 With `events_endpoint` configured, GC jobs publish `BlockRemoved` for each deleted batch (`kvstore.events`).
 Library errors a route lets through still answer JSON: a `ConfigError` is the caller's input (422), any other
 `KVStoreError` a store or cache that cannot be used now (503); never an unexplained 500. Request size limits
@@ -21,7 +23,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvstore.admin import routes_gc, routes_pins, routes_warm
+from kvstore.admin import routes_gc, routes_jobs, routes_pins, routes_stats, routes_warm
+from kvstore.admin.jobs import JobRegistry
 from kvstore.admin.limits import BodyLimit, validation_error
 from kvstore.admin.openapi import errors
 from kvstore.admin.status import Refreshed, Snapshot
@@ -69,16 +72,15 @@ def create_app(node: Node) -> FastAPI:
             publisher.close()
 
     app = FastAPI(title="kvstore admin", version="0.1.0", lifespan=lifespan)
+    # Read by the routes through `kvstore.admin.deps` (and `auth.require_token`), never directly.
     app.state.node = node
     token = node.settings.admin_token
     app.state.admin_token = token.get_secret_value() if token is not None else None
-    # GC reads the bucket's pin manifests itself, inside its job; this adds the node's own cache pins.
-    app.state.gc_pinned = routes_gc.node_pins
+    app.state.jobs = JobRegistry()
     app.state.events = publisher
     app.state.gc_on_removed = publisher.publish_removed if publisher is not None else None
-    app.include_router(routes_gc.router)
-    app.include_router(routes_pins.router)
-    app.include_router(routes_warm.router)
+    for routes in (routes_gc, routes_jobs, routes_pins, routes_warm, routes_stats):
+        app.include_router(routes.router)
     app.add_middleware(BodyLimit, max_bytes=node.settings.admin_max_body_bytes)
     app.add_exception_handler(RequestValidationError, validation_error)
 

@@ -1,38 +1,32 @@
 """The pins API: create, list, read and delete pin manifests in the node's bucket (`/v1/pins`).
 
-Creating a pin computes the chunk keys and writes the manifest. Keys come from token ids, or from a prompt or
-chat messages that the serving engine itself tokenizes (`POST /tokenize` of the configured vLLM endpoint that
-serves `served_model`, with its chat template), hashed with the algorithm and seed the namespace's engines
-record (`kvstore.key_scheme`): a pin never names chunks its engines would not compute. The service calls only
-the endpoints of its `vllm_urls` setting and reads no file a request names. Nodes pick a pin up through
-`kvstore.pin_sync.apply_pins`, which this service runs for its own node after every create and delete (the
-answer's `node_pins` says what changed, or why it could not); `present_chunks` says how many of its chunks
-the bucket holds. Errors map to 404 (unknown pin or namespace), 409 (name taken), 413 (body too large), 422
-(bad input, a seed no engine of the namespace uses, or more tokens or chunks than `admin_max_tokens` /
-`admin_max_chunks`) and 503 (store or vLLM endpoint unavailable), each as JSON `{"detail": ...}`.
+Creating a pin computes the chunk keys (`kvstore.admin.chunk_request`: from token ids, or a prompt or chat
+messages the serving engine tokenizes, hashed as the namespace's engines hash) and writes the manifest. Nodes
+pick a pin up through `kvstore.pin_sync.apply_pins`, which this service runs for its own node after every
+create and delete (the answer's `node_pins` says what changed, or why it could not); `present_chunks` says
+how many of its chunks the bucket holds. Errors map to 404 (unknown pin or namespace), 409 (name taken), 413
+(body too large), 422 (bad input, a seed no engine of the namespace uses, or more tokens or chunks than
+`admin_max_tokens` / `admin_max_chunks`) and 503 (store or vLLM endpoint unavailable), each as JSON
+`{"detail": ...}`.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
-from typing import Annotated, Any
+from dataclasses import asdict
+from typing import Annotated, Any, Self
 
 import httpx
-from fastapi import APIRouter, Depends, HTTPException, Path, Request, Response, status
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.config import JsonDict
+from fastapi import APIRouter, Depends, HTTPException, Path, Response, status
+from pydantic import BaseModel
 
 from kvstore.admin.auth import require_token
-from kvstore.admin.limits import check_tokens
-from kvstore.admin.openapi import AUTH_ERRORS, JsonInt, NonNegativeJsonInt, PositiveJsonInt, errors
+from kvstore.admin.chunk_request import PIN_NAME_SCHEMA, TOKENIZE_TIMEOUT_S, PinIn, prepare
+from kvstore.admin.deps import NodeDep
+from kvstore.admin.openapi import AUTH_ERRORS, errors
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.hashing import DEFAULT_HASH_ALGO, chunk_keys
-from kvstore.key_scheme import KeyScheme, check_scheme
-from kvstore.keys import KVCacheGroup, Namespace
 from kvstore.pin_sync import apply_pins
 from kvstore.pins import (
-    NAMESPACE_ID_PATTERN,
     NamespaceNotFound,
     PinExists,
     PinManifest,
@@ -41,224 +35,58 @@ from kvstore.pins import (
     delete_pin,
     get_pin,
     list_pins,
-    load_namespace,
     present_chunks,
 )
 from kvstore.runtime import Node
-from kvstore.vllm_api import ServedModel, VLLMError, find_served, tokenize_messages, tokenize_prompt
+
+__all__ = ["PinCreatedOut", "PinListOut", "PinOut", "PinReadOut", "router"]
 
 log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], tags=["pins"], responses=AUTH_ERRORS)
 
-
-class GroupIn(BaseModel):
-    model_config = ConfigDict(strict=True)
-
-    tokens_per_block: PositiveJsonInt
-    layer_names: list[str]
-
-
-# A model name becomes part of every chunk key: printable, and short enough for S3's key limit.
-ModelName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")]
-# Pin names as `kvstore.pins.validate_pin_name` accepts them (documented; the validator is what enforces).
-PIN_NAME_SCHEMA: JsonDict = {"type": "string", "pattern": r"^(?!\.\.?$)[A-Za-z0-9._-]{1,128}$"}
-
-
-def _given(present: JsonDict, absent: tuple[str, ...]) -> JsonDict:
-    """JSON Schema for "these fields given (not null), those absent or null"."""
-    props: JsonDict = {**present, **{name: {"type": "null"} for name in absent}}
-    return {"required": list(present), "properties": props}
-
-
-_TEXT: JsonDict = {"type": "string", "minLength": 1}
-# The cross-field rules of `PinIn._one_of_each`, stated in the schema too, so clients and fuzzers see them.
-_ONE_OF_EACH: JsonDict = {
-    "allOf": [
-        {
-            "oneOf": [
-                _given({"namespace": {"type": "string"}}, ("model",)),
-                _given(
-                    {
-                        "model": {"type": "string"},
-                        "tokens_per_hash": {"type": "integer"},
-                        "dtype": {"type": "string"},
-                    },
-                    ("namespace",),
-                ),
-            ]
-        },
-        {
-            "oneOf": [
-                _given({"token_ids": {"type": "array"}}, ("prompt", "messages")),
-                _given({"prompt": _TEXT}, ("token_ids", "messages")),
-                _given({"messages": {"type": "array"}}, ("token_ids", "prompt")),
-            ]
-        },
-    ]
-}
-
-
-class PinIn(BaseModel):
-    """One of `namespace` or `model` (+ layout fields); one of `token_ids`, `prompt`, `messages`.
-
-    `served_model` names the vLLM served model (one of the configured endpoints') that tokenizes a prompt or
-    messages (default: the first endpoint's first model); it may come with either namespace form."""
-
-    # Strict: no coercion of `"1"` to a token id or of `false` to a number. Unknown fields are refused, so a
-    # `vllm_url` or a `model_path` (which this service no longer takes) is a 422, never silently ignored.
-    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_ONE_OF_EACH)
-
-    name: str = Field(json_schema_extra=PIN_NAME_SCHEMA)
-    namespace: str | None = Field(default=None, json_schema_extra={"pattern": f"^{NAMESPACE_ID_PATTERN}$"})
-    rank: NonNegativeJsonInt = 0
-    model: ModelName | None = None
-    tokens_per_hash: PositiveJsonInt | None = None
-    dtype: str | None = None
-    kv_cache_groups: list[GroupIn] = []
-    tp_size: PositiveJsonInt = 1
-    pp_size: PositiveJsonInt = 1
-    blocks_per_file: PositiveJsonInt = 1
-    parallel_agnostic: bool = False
-    blocks_per_chunk: PositiveJsonInt = 1
-    token_ids: list[JsonInt] | None = None
-    prompt: str | None = Field(default=None, min_length=1)
-    messages: list[dict[str, Any]] | None = None
-    add_generation_prompt: bool = False  # for `messages`: a pin wants the shared head, without one
-    served_model: ModelName | None = None
-    ttl_seconds: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-
-    @model_validator(mode="after")
-    def _one_of_each(self) -> PinIn:
-        if (self.namespace is None) == (self.model is None):
-            raise ValueError("give exactly one of 'namespace' (an id) or 'model' (+ tokens_per_hash, dtype)")
-        if self.model is not None and (self.tokens_per_hash is None or self.dtype is None):
-            raise ValueError("'model' needs 'tokens_per_hash' and 'dtype'")
-        given = [k for k in ("token_ids", "prompt", "messages") if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise ValueError("give exactly one of 'token_ids', 'prompt' or 'messages'")
-        return self
-
-
 PinName = Annotated[str, Path(json_schema_extra=PIN_NAME_SCHEMA)]
 
 
-def _node(request: Request) -> Node:
-    node: Node = request.app.state.node
-    return node
+class PinOut(BaseModel):
+    """A pin manifest as the bucket holds it (`kvstore.pins.PinManifest`), and whether its TTL has passed."""
 
-
-def _out(manifest: PinManifest) -> dict[str, Any]:
-    return {**manifest.to_json(), "expired": manifest.expired()}
-
-
-def _namespace(body: PinIn, node: Node) -> Namespace:
-    if body.namespace is not None:
-        return load_namespace(node.store, body.namespace, rank=body.rank)
-    assert body.model is not None and body.tokens_per_hash is not None and body.dtype is not None
-    return Namespace(
-        model_name=body.model,
-        tokens_per_hash=body.tokens_per_hash,
-        dtype=body.dtype,
-        kv_cache_groups=tuple(
-            KVCacheGroup(g.tokens_per_block, tuple(g.layer_names)) for g in body.kv_cache_groups
-        ),
-        tp_size=body.tp_size,
-        pp_size=body.pp_size,
-        rank=body.rank,
-        blocks_per_file=body.blocks_per_file,
-        parallel_agnostic=body.parallel_agnostic,
-    )
-
-
-def check_limits(namespace: Namespace, tokens: list[int], body: PinIn, node: Node) -> None:
-    """The request limits of the settings (422 when passed), before any token is hashed."""
-    settings = node.settings
-    check_tokens(
-        namespace,
-        len(tokens),
-        blocks_per_chunk=body.blocks_per_chunk,
-        max_tokens=settings.admin_max_tokens,
-        max_chunks=settings.admin_max_chunks,
-    )
-
-
-# Tokenizing a prompt is one short request to the engine; a slow one must not hold an API thread for long.
-TOKENIZE_TIMEOUT_S = 30.0
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """What a pin or warm request resolves to before any chunk is touched."""
-
-    namespace: Namespace
-    tokens: list[int]
-    scheme: KeyScheme
+    name: str
+    namespace: str
+    namespace_fields: dict[str, Any]
     keys: list[str]
-    served: ServedModel | None  # the vLLM endpoint used (to tokenize), if one was
+    created_at: float
+    expires_at: float | None
+    expired: bool
+
+    @classmethod
+    def of(cls, manifest: PinManifest, **more: Any) -> Self:
+        return cls(**manifest.to_json(), expired=manifest.expired(), **more)
+
+
+class PinReadOut(PinOut):
+    """A pin manifest, and how many of its chunks the bucket holds now."""
+
+    present_chunks: int
+
+
+class PinCreatedOut(PinReadOut):
+    """A new pin: the manifest, the tokens and key scheme it was computed with, and what changed in this
+    node's cache pins (`node_pins`: pinned / unpinned / total, or the error that kept them as they were)."""
+
+    num_tokens: int
+    hash_algo: str | None
+    seed_fingerprint: str
     warnings: list[str]
+    node_pins: dict[str, Any]
 
 
-def served_model(body: PinIn, node: Node, http: httpx.Client) -> ServedModel:
-    """The configured endpoint serving `body.served_model` (the first one's first model when unnamed)."""
-    return find_served(http, node.settings.vllm_urls, body.served_model, timeout_s=TOKENIZE_TIMEOUT_S)
-
-
-def _check_served(namespace: Namespace, served: ServedModel) -> None:
-    # The namespace's model name is the engine's `--model`, which vLLM lists as the served model's root.
-    if served.root is not None and served.root != namespace.model_name:
-        raise ConfigError(
-            f"served model {served.name!r} at {served.base_url} runs {served.root!r}, but namespace "
-            f"{namespace.id} is for {namespace.model_name!r}: its tokens would not be this namespace's"
-        )
-
-
-def _tokens(
-    body: PinIn, namespace: Namespace, node: Node, http: httpx.Client
-) -> tuple[list[int], ServedModel | None]:
-    if body.token_ids is not None:
-        return body.token_ids, None
-    served = served_model(body, node, http)
-    _check_served(namespace, served)
-    try:
-        if body.prompt is not None:
-            return tokenize_prompt(http, served, body.prompt, timeout_s=TOKENIZE_TIMEOUT_S), served
-        assert body.messages is not None
-        tokens = tokenize_messages(
-            http,
-            served,
-            body.messages,
-            add_generation_prompt=body.add_generation_prompt,
-            timeout_s=TOKENIZE_TIMEOUT_S,
-        )
-        return tokens, served
-    except VLLMError as exc:
-        if 400 <= exc.status < 500:  # the engine refused this input (unknown model, a template error, ...)
-            raise ConfigError(f"could not tokenize: {exc}") from None
-        raise
-
-
-def prepare(body: PinIn, node: Node, http: httpx.Client, *, what: str) -> Prepared:
-    """Namespace, tokens (from the engine when not given), the engines' key scheme and the chunk keys;
-    `ConfigError` and friends for what makes the request unanswerable."""
-    namespace = _namespace(body, node)
-    tokens, served = _tokens(body, namespace, node, http)
-    check_limits(namespace, tokens, body, node)
-    scheme, warning = check_scheme(node.store, namespace)
-    keys = chunk_keys(
-        namespace, tokens, blocks_per_chunk=body.blocks_per_chunk, algo=scheme.hash_algo or DEFAULT_HASH_ALGO
-    )
-    if not keys:
-        raise ConfigError(
-            f"{len(tokens)} tokens make no full chunk "
-            f"(tokens_per_hash={namespace.tokens_per_hash}); nothing to {what}"
-        )
-    return Prepared(namespace, tokens, scheme, keys, served, [] if warning is None else [warning])
+class PinListOut(BaseModel):
+    pins: list[PinOut]
 
 
 @router.post("/pins", status_code=status.HTTP_201_CREATED, responses=errors(400, 404, 409, 413, 422, 503))
-def create(body: PinIn, request: Request) -> dict[str, Any]:
-    node = _node(request)
+def create(body: PinIn, node: NodeDep) -> PinCreatedOut:
     try:
         with httpx.Client(timeout=TOKENIZE_TIMEOUT_S) as http:
             ready = prepare(body, node, http, what="pin")
@@ -271,15 +99,15 @@ def create(body: PinIn, request: Request) -> dict[str, Any]:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
     except ConfigError as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
-    return {
-        **_out(manifest),
-        "num_tokens": len(ready.tokens),
-        "present_chunks": present_chunks(node.store, manifest.keys),
-        "hash_algo": ready.scheme.hash_algo,
-        "seed_fingerprint": ready.scheme.seed_fingerprint,
-        "warnings": ready.warnings,
-        "node_pins": _apply_here(node),
-    }
+    return PinCreatedOut.of(
+        manifest,
+        num_tokens=len(ready.tokens),
+        present_chunks=present_chunks(node.store, manifest.keys),
+        hash_algo=ready.scheme.hash_algo,
+        seed_fingerprint=ready.scheme.seed_fingerprint,
+        warnings=ready.warnings,
+        node_pins=_apply_here(node),
+    )
 
 
 def _apply_here(node: Node) -> dict[str, Any]:
@@ -293,18 +121,17 @@ def _apply_here(node: Node) -> dict[str, Any]:
 
 
 @router.get("/pins", responses=errors(422, 503))
-def list_all(request: Request, include_expired: bool = True) -> dict[str, Any]:
-    pins = list_pins(_node(request).store, include_expired=include_expired)
-    return {"pins": [_out(p) for p in pins]}
+def list_all(node: NodeDep, include_expired: bool = True) -> PinListOut:
+    pins = list_pins(node.store, include_expired=include_expired)
+    return PinListOut(pins=[PinOut.of(p) for p in pins])
 
 
 @router.get("/pins/{name}", responses=errors(404, 422, 503))
-def read(name: PinName, request: Request) -> dict[str, Any]:
+def read(name: PinName, node: NodeDep) -> PinReadOut:
     """The manifest, and how many of its chunks the bucket holds now (`present_chunks`)."""
-    store = _node(request).store
     try:
-        manifest = get_pin(store, name)
-        return {**_out(manifest), "present_chunks": present_chunks(store, manifest.keys)}
+        manifest = get_pin(node.store, name)
+        return PinReadOut.of(manifest, present_chunks=present_chunks(node.store, manifest.keys))
     except PinNotFound as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from None
     except ConfigError as exc:
@@ -312,8 +139,7 @@ def read(name: PinName, request: Request) -> dict[str, Any]:
 
 
 @router.delete("/pins/{name}", status_code=status.HTTP_204_NO_CONTENT, responses=errors(404, 422, 503))
-def remove(name: PinName, request: Request) -> Response:
-    node = _node(request)
+def remove(name: PinName, node: NodeDep) -> Response:
     try:
         delete_pin(node.store, name)
     except PinNotFound as exc:

@@ -1,36 +1,35 @@
-"""Admin routes for warming and node statistics: `POST /v1/warm` (a job) and `GET /v1/stats`.
+"""Admin route for warming: `POST /v1/warm`, which starts a job.
 
 A warm request names the namespace, the prompt and the served model exactly like a pin request
-(`routes_pins.PinIn`, whose validation, tokenization through the engine and key scheme check this module
-reuses). Everything is checked before answering, so bad input is a 4xx at once (404 unknown namespace, 422
-malformed or a seed no engine of the namespace uses); the warming itself (prefetching, the prefill that
-produces missing chunks, waiting for uploads) runs as a job in the registry `routes_gc` keeps
-(`GET /v1/jobs/{id}`). The prefill goes to the configured endpoint (`vllm_urls`) that serves `served_model`,
-never to a URL from the request, and nothing the server answers is copied into the job.
+(`kvstore.admin.chunk_request.PinIn`, whose validation, tokenization through the engine and key scheme check
+this module reuses). Everything is checked before answering, so bad input is a 4xx at once (404 unknown
+namespace, 422 malformed or a seed no engine of the namespace uses); the warming itself (prefetching, the
+prefill that produces missing chunks, waiting for uploads) runs as a job of the app's registry
+(`kvstore.admin.jobs`, polled with `GET /v1/jobs/{id}`). The prefill goes to the configured endpoint
+(`vllm_urls`) that serves `served_model`, never to a URL from the request, and nothing the server answers is
+copied into the job.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Annotated, Any
+from typing import Any
 
 import httpx
-from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
+from fastapi import APIRouter, Depends, HTTPException, status
 from pydantic import Field, field_validator
 from typing_extensions import override
 
 from kvstore.admin.auth import require_token
+from kvstore.admin.chunk_request import PIN_NAME_SCHEMA, TOKENIZE_TIMEOUT_S, PinIn, prepare, served_model
+from kvstore.admin.deps import JobsDep, NodeDep
+from kvstore.admin.jobs import JobAccepted
 from kvstore.admin.openapi import AUTH_ERRORS, errors
-from kvstore.admin.routes_gc import _registry
-from kvstore.admin.routes_pins import PIN_NAME_SCHEMA, TOKENIZE_TIMEOUT_S, PinIn, prepare, served_model
-from kvstore.admin.status import Snapshot
 from kvstore.errors import ConfigError
 from kvstore.pins import NamespaceNotFound, validate_pin_name
-from kvstore.runtime import Node
-from kvstore.stats import local_stats
 from kvstore.warm import warm
 
-__all__ = ["WarmIn", "router"]
+__all__ = ["WarmAccepted", "WarmIn", "router"]
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], tags=["warm"], responses=AUTH_ERRORS)
 
@@ -54,6 +53,14 @@ class WarmIn(PinIn):  # type: ignore[misc,unused-ignore]
     @classmethod
     def _pin_name(cls, value: str | None) -> str | None:
         return None if value is None else validate_pin_name(value)
+
+
+class WarmAccepted(JobAccepted):  # type: ignore[misc,unused-ignore]
+    """The 202 answer of `POST /v1/warm`: the job, and what the request resolved to."""
+
+    namespace: str
+    num_tokens: int
+    warnings: list[str]
 
 
 class CancellableTransport(httpx.BaseTransport):
@@ -102,8 +109,7 @@ class CancellableTransport(httpx.BaseTransport):
 
 
 @router.post("/warm", status_code=status.HTTP_202_ACCEPTED, responses=errors(400, 404, 413, 422, 503))
-def start_warm(body: WarmIn, request: Request) -> dict[str, Any]:
-    node: Node = request.app.state.node
+def start_warm(body: WarmIn, node: NodeDep, jobs: JobsDep) -> WarmAccepted:
     try:
         with httpx.Client(timeout=TOKENIZE_TIMEOUT_S) as http:
             ready = prepare(body, node, http, what="warm")
@@ -111,8 +117,7 @@ def start_warm(body: WarmIn, request: Request) -> dict[str, Any]:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from None
     except ConfigError as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
-    registry = _registry(request)
-    job = registry.create("warm")
+    job = jobs.create("warm")
     # A cancelled job stops waiting for vLLM at once (DELETE /v1/jobs/{id}).
     http = httpx.Client(timeout=body.timeout_s, transport=CancellableTransport(job.cancel))
     produce = body.produce and bool(node.settings.vllm_urls)
@@ -139,37 +144,12 @@ def start_warm(body: WarmIn, request: Request) -> dict[str, Any]:
                 out["errors"].append("no vLLM endpoint is configured (vllm_urls) to produce missing chunks")
             return out
 
-    accepted = {
-        "id": job.id,
-        "status": job.status,
-        "namespace": ready.namespace.id,
-        "num_tokens": len(ready.tokens),
-        "warnings": ready.warnings,
-    }
-    registry.run(job, work)
+    accepted = WarmAccepted(
+        id=job.id,
+        status=job.status,
+        namespace=ready.namespace.id,
+        num_tokens=len(ready.tokens),
+        warnings=ready.warnings,
+    )
+    jobs.run(job, work)
     return accepted
-
-
-@router.get("/stats", responses=errors(422))
-def stats(request: Request, scan_bucket: Annotated[bool, Query()] = True) -> dict[str, Any]:
-    """This node's figures. What needs the object store comes from a background run at most a few seconds
-    old (`store_sections` says how old, and whether a newer run is overdue); the rest is live."""
-    node: Node = request.app.state.node
-    out = local_stats(node)
-    snapshot: Snapshot[dict[str, Any]] = request.app.state.store_stats[scan_bucket].get()
-    if snapshot.value is not None:
-        out.update(snapshot.value)
-    elif snapshot.error is not None or snapshot.overdue_s is not None:
-        problem = {"error": f"object store sections unavailable: {snapshot.error or 'no answer yet'}"}
-        out.update(bucket={"skipped": not scan_bucket, **problem}, pins=dict(problem), last_gc=None)
-    if snapshot.overdue_s is not None:
-        out["store"] = {
-            "url": node.store.url,
-            "reachable": False,
-            "error": f"no answer from the object store for {snapshot.overdue_s:.1f} s",
-        }
-    out["store_sections"] = {
-        "age_s": None if snapshot.age_s is None else round(snapshot.age_s, 1),
-        "overdue_s": None if snapshot.overdue_s is None else round(snapshot.overdue_s, 1),
-    }
-    return out

@@ -13,10 +13,11 @@ from fastapi.testclient import TestClient
 from typing_extensions import override
 
 from kvstore import gc as gc_module
+from kvstore.admin import routes_gc
 from kvstore.admin.app import create_app
 from kvstore.events import OWNERSHIP_OBJECT
 from kvstore.keys import KVCacheGroup, Namespace, make_offload_key
-from kvstore.lease import Lease
+from kvstore.lease import Lease, read_lease
 from kvstore.pins import PIN_PREFIX, create_pin
 from kvstore.runtime import Node
 from kvstore.stores import ObjectInfo, ObjectStore
@@ -116,16 +117,17 @@ def test_second_gc_while_one_runs(node: Node) -> None:
     assert client.post("/v1/gc", json={"ttl_seconds": 10}).status_code == 202
 
 
-def test_job_fails_clearly_when_lease_taken_after_check(node: Node) -> None:
+def test_job_fails_clearly_when_lease_taken_after_check(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     app = make_app(node)
     client = TestClient(app)
     lease = Lease(node.store, "gc", ttl_s=60, holder="sneaky")
 
-    def provider(_: Node) -> Any:
+    def check_then_taken(store: ObjectStore, name: str) -> Any:
+        seen = read_lease(store, name)
         lease.acquire()  # taken between the 409 check and the job's own lease
-        return frozenset()
+        return seen
 
-    app.state.gc_pinned = provider
+    monkeypatch.setattr(routes_gc, "read_lease", check_then_taken)
     started = client.post("/v1/gc", json={"ttl_seconds": 10})
     assert started.status_code == 202
     job = wait_job(client, started.json()["id"])
