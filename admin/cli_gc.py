@@ -1,0 +1,73 @@
+"""`kvstore gc`: garbage-collect the bucket, from cron or by hand."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Annotated
+
+import typer
+
+from kvstore.admin.cli_common import (
+    EXIT_BUSY,
+    EXIT_CONFIG,
+    console,
+    err,
+    finite_seconds,
+    settings_or_exit,
+    store_or_exit,
+)
+from kvstore.errors import ConfigError
+
+__all__ = ["gc"]
+
+
+def gc(
+    ttl_seconds: Annotated[float, typer.Option(help="Delete unpinned chunks idle longer than this")] = 7
+    * 86400,
+    max_bytes: Annotated[
+        int | None, typer.Option(help="Then delete oldest-first down to this many bytes")
+    ] = None,
+    grace_seconds: Annotated[float, typer.Option(help="Never touch objects younger than this")] = 3600,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Report what would be deleted, delete nothing")
+    ] = False,
+) -> None:
+    """Garbage-collect the bucket (run it from cron): TTL, then a byte budget; pins and young objects stay.
+    With `events_endpoint` set, each deleted batch is published as vLLM `BlockRemoved` events."""
+    from kvstore.events import open_publisher
+    from kvstore.gc import run_gc
+    from kvstore.lease import LeaseHeld
+
+    finite_seconds("--ttl-seconds", ttl_seconds)
+    finite_seconds("--grace-seconds", grace_seconds)
+    if max_bytes is not None and max_bytes < 0:
+        err.print(f"[red]bad arguments:[/red] --max-bytes must be >= 0, got {max_bytes}")
+        raise typer.Exit(EXIT_CONFIG)
+    settings = settings_or_exit()
+    try:
+        publisher = None if dry_run else open_publisher(settings.events_endpoint)
+    except ConfigError as exc:
+        err.print(f"[red]configuration error:[/red] {exc}")
+        raise typer.Exit(EXIT_CONFIG) from None
+    with contextlib.ExitStack() as stack, store_or_exit(settings, "GC failed") as store:
+        if publisher is not None:
+            stack.callback(publisher.close)  # lingers so the last batch still goes out
+        try:
+            store.check()
+            report = run_gc(
+                store,
+                ttl_seconds=ttl_seconds,
+                max_bytes=max_bytes,
+                grace_seconds=grace_seconds,
+                dry_run=dry_run,
+                # The bucket's pin manifests are read by run_gc itself, and re-read before every delete.
+                on_removed=publisher.publish_removed if publisher is not None else None,
+            )
+        except LeaseHeld as exc:
+            err.print(f"[yellow]another GC is running:[/yellow] {exc}")
+            raise typer.Exit(EXIT_BUSY) from None
+        except ValueError as exc:
+            err.print(f"[red]bad arguments:[/red] {exc}")
+            raise typer.Exit(EXIT_CONFIG) from None
+    console.print_json(json.dumps(report.as_dict()))
