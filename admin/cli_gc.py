@@ -1,4 +1,9 @@
-"""`kvstore gc`: garbage-collect the bucket, from cron or by hand."""
+"""`kvstore gc`: garbage-collect the bucket, from cron or by hand.
+
+Which chunks stay is `kvstore.gc`'s decision, the same as for the admin service's `POST /v1/gc`: the bucket's
+pin manifests, and the pins of this node's NVMe cache when the node has one (`cache_dir` exists; a machine
+without it has no cache pins, and GC creates no cache there).
+"""
 
 from __future__ import annotations
 
@@ -33,11 +38,13 @@ def gc(
         bool, typer.Option("--dry-run", help="Report what would be deleted, delete nothing")
     ] = False,
 ) -> None:
-    """Garbage-collect the bucket (run it from cron): TTL, then a byte budget; pins and young objects stay.
-    With `events_endpoint` set, each deleted batch is published as vLLM `BlockRemoved` events."""
+    """Garbage-collect the bucket (run it from cron): TTL, then a byte budget; pinned chunks (the bucket's
+    pins and this node's) and young objects stay. With `events_endpoint` set, each deleted batch is published
+    as vLLM `BlockRemoved` events."""
     from kvstore.events import open_publisher
     from kvstore.gc import run_gc
     from kvstore.lease import LeaseHeld
+    from kvstore.runtime import open_cache
 
     finite_seconds("--ttl-seconds", ttl_seconds)
     finite_seconds("--grace-seconds", grace_seconds)
@@ -55,13 +62,15 @@ def gc(
             stack.callback(publisher.close)  # lingers so the last batch still goes out
         try:
             store.check()
+            # The node's cache, as its other processes share it (GC only reads its pin counts).
+            cache = stack.enter_context(open_cache(settings)) if settings.cache_dir.is_dir() else None
             report = run_gc(
                 store,
                 ttl_seconds=ttl_seconds,
                 max_bytes=max_bytes,
                 grace_seconds=grace_seconds,
                 dry_run=dry_run,
-                # The bucket's pin manifests are read by run_gc itself, and re-read before every delete.
+                cache=cache,
                 on_removed=publisher.publish_removed if publisher is not None else None,
             )
         except LeaseHeld as exc:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,9 +26,11 @@ from kvstore.pins import PIN_PREFIX, create_pin
 from kvstore.runtime import Node
 from kvstore.stores import ObjectInfo, ObjectStore
 from kvstore.stores.base import Data
-from tests.helpers import listed_older_than, wait_for, wait_job
+from tests.helpers import cli_env, listed_older_than, wait_for, wait_job
 
 pytestmark = pytest.mark.integration
+
+KVSTORE = [sys.executable, "-m", "kvstore.admin.cli"]
 
 KEY = "ns_abc_r0/abc/de_g0/abcdef0123.bin"
 NS = Namespace(
@@ -76,6 +82,40 @@ def test_gc_job_runs_and_reports_are_listed(node: Node) -> None:
     reports = client.get("/v1/gc/reports", params={"limit": 5}).json()["reports"]
     assert [r["id"] for r in reports] == [result["id"], dry_done["result"]["id"]]
     assert len(client.get("/v1/gc/reports", params={"limit": 1}).json()["reports"]) == 1
+
+
+def test_the_cli_and_the_service_keep_the_same_chunks(
+    node: Node, s3_server: Any, s3_bucket: str, tmp_path: Path
+) -> None:
+    """`kvstore gc` and `POST /v1/gc` share one pin policy (kvstore.gc's): on the same node, both keep the
+    bucket's pins and the node's cache pins."""
+    bucket_pinned, cache_pinned, idle = (
+        NS.chunk_key(make_offload_key(hashlib.sha256(name.encode()).digest(), 0))
+        for name in ("bucket", "cache", "idle")
+    )
+    for key in (bucket_pinned, cache_pinned, idle):
+        node.store.put(key, b"\x00" * 100)
+    create_pin(node.store, "sys", NS, [bucket_pinned])
+    node.cache.pin([cache_pinned])
+    listed_older_than(node.store, [bucket_pinned, cache_pinned, idle], 1.0)  # past grace 0
+    client = TestClient(make_app(node))
+    body = {"ttl_seconds": 0, "grace_seconds": 0, "dry_run": True}
+    service = wait_job(client, client.post("/v1/gc", json=body).json()["id"])["result"]
+    env = cli_env(
+        tmp_path,
+        KVSTORE_STORE_URL=f"s3://{s3_bucket}",  # the node's store
+        KVSTORE_S3_ENDPOINT=s3_server.endpoint,
+        AWS_ACCESS_KEY_ID=s3_server.access_key,
+        AWS_SECRET_ACCESS_KEY=s3_server.secret_key,
+        KVSTORE_CACHE_DIR=str(node.settings.cache_dir),
+        KVSTORE_CACHE_BYTES=str(node.settings.cache_bytes),
+    )
+    args = ["gc", "--dry-run", "--ttl-seconds", "0", "--grace-seconds", "0"]
+    done = subprocess.run([*KVSTORE, *args], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    cli = json.loads(done.stdout)
+    for report in (service, cli):
+        assert (report["objects"], report["deleted"], report["kept_pinned"]) == (3, 1, 2), report
 
 
 @pytest.mark.parametrize(
