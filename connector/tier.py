@@ -203,7 +203,12 @@ class KVStoreTier(SecondaryTierManager):
         self.namespace = Namespace.from_fields(mapper.get_run_config(), rank=mapper.rank)
 
         # A registry of our own: the engine process may not export the global one, and tests run several.
-        self._node: Node = open_node(settings, metrics=EngineMetrics(CollectorRegistry()), check_store=False)
+        self._node: Node = open_node(
+            settings,
+            metrics=EngineMetrics(CollectorRegistry()),
+            check_store=False,
+            element_width=self.namespace.element_width,
+        )
         self._engine = self._node.engine
         # Pins made anywhere in the fleet reach this node's cache (and stay out of its eviction).
         node, interval = self._node, settings.pin_sync_s
@@ -236,7 +241,7 @@ class KVStoreTier(SecondaryTierManager):
         self._scheme: KeyScheme | None = None  # the engine's, once vLLM has set NONE_HASH
         self._stopping = threading.Event()
         self._store_url = self._node.store.url
-        self._codec = settings.codec
+        self._codec = settings.codec.name.lower()
         self._cache_bytes = settings.cache_bytes
         self._publisher = threading.Thread(
             target=self._publish_namespace, name="kvstore-tier-namespace", daemon=True

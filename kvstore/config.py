@@ -167,7 +167,7 @@ class Settings(BaseSettings):
     cache_bytes: int = 50 * GiB
 
     # Data path.
-    codec: str = "none"
+    codec: Codec = Codec.NONE  # "none" or "zstd" in the environment and files
     upload_workers: int = 8
     io_workers: int = 16
     # Threads that read and write NVMe chunk files (O_DIRECT); device queue depth comes from these.
@@ -308,11 +308,10 @@ class Settings(BaseSettings):
             )
         return value
 
-    @field_validator("codec")
+    @field_validator("codec", mode="before")
     @classmethod
-    def _known_codec(cls, value: str) -> str:
-        Codec.parse(value)
-        return value.lower()
+    def _codec_by_name(cls, value: object) -> object:
+        return Codec.parse(value) if isinstance(value, str) else value
 
     @classmethod
     def settings_customise_sources(
@@ -324,10 +323,6 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, _ConfigFileSource(settings_cls))
-
-    @property
-    def codec_enum(self) -> Codec:
-        return Codec.parse(self.codec)
 
     @property
     def stores(self) -> list[StoreSpec]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,13 @@ class Namespace:
     replicated_layout: bool = False
     canonical_format: str | None = None
     _id: str = field(init=False, repr=False, compare=False)
+
+    @property
+    def element_width(self) -> int:
+        """Bytes per KV element of `dtype` ("bfloat16" 2, "float32" 4, fp8 and int8 1): the byte-shuffle width
+        of the zstd codec. 1 (no shuffle, still correct) for a dtype that names no bit width."""
+        bits = re.search(r"\d+", self.dtype)  # the first number: "float8_e4m3fn" is 8 bits
+        return max(1, int(bits.group()) // 8) if bits else 1
 
     def __post_init__(self) -> None:
         if not self.model_name:

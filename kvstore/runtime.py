@@ -110,8 +110,15 @@ def _open_regions(
         raise
 
 
-def open_node(settings: Settings, *, metrics: EngineMetrics | None = None, check_store: bool = True) -> Node:
-    """Open store, cache and engine.
+def open_node(
+    settings: Settings,
+    *,
+    metrics: EngineMetrics | None = None,
+    check_store: bool = True,
+    element_width: int = 2,
+) -> Node:
+    """Open store, cache and engine. `element_width` is the KV dtype's size in bytes (the zstd codec's
+    byte-shuffle width; the vLLM tier passes its namespace's).
 
     `check_store=False` tolerates an unreachable store (the vLLM tier must start and serve from NVMe or
     recompute while S3 is down); bad credentials or a missing bucket still fail."""
@@ -139,7 +146,8 @@ def open_node(settings: Settings, *, metrics: EngineMetrics | None = None, check
         store,
         cache,
         threads=threads,
-        codec=settings.codec_enum,
+        codec=settings.codec,
+        element_width=element_width,
         load_timeout_s=settings.load_timeout_s,
         probe_hit_ttl_s=settings.probe_hit_ttl_s,
         probe_miss_ttl_s=settings.probe_miss_ttl_s,

@@ -261,10 +261,6 @@ class RegionalStore(ObjectStore):
             if not self._copying:
                 self._copies_idle.notify_all()
 
-    @property
-    def copies_in_flight(self) -> int:
-        return len(self._copying)
-
     def wait_copies(self, timeout: float = 30.0) -> bool:
         """Wait until no copy is in flight; False on timeout (tests and orderly shutdown use it)."""
         with self._copies_idle:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.chunk import Codec
 from kvstore.config import load_settings
 from kvstore.errors import ConfigError
 
@@ -28,8 +29,8 @@ def test_environment_and_aws_variables(monkeypatch: pytest.MonkeyPatch, tmp_path
 
 def test_arguments_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSTORE_CODEC", "zstd")
-    assert load_settings(codec="none").codec == "none"
-    assert load_settings().codec == "zstd"
+    assert load_settings(codec="none").codec is Codec.NONE
+    assert load_settings().codec is Codec.ZSTD
 
 
 def test_config_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -37,7 +38,7 @@ def test_config_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     path.write_text(json.dumps({"cache_bytes": 999, "codec": "zstd"}))
     monkeypatch.setenv("KVSTORE_CONFIG_FILE", str(path))
     settings = load_settings()
-    assert settings.cache_bytes == 999 and settings.codec == "zstd"
+    assert settings.cache_bytes == 999 and settings.codec is Codec.ZSTD
     toml = tmp_path / "kvstore.toml"
     toml.write_text('store_url = "file:///tmp/x"\n')
     monkeypatch.setenv("KVSTORE_CONFIG_FILE", str(toml))
@@ -243,7 +244,7 @@ def test_defaults_are_the_documented_ones(clean_env: Path) -> None:
     assert s.s3_endpoint is None and s.access_key is None and s.secret_key is None and s.region is None
     assert s.cache_dir == clean_env / ".local" / "share" / "kvstore" / "cache"
     assert s.data_dir == clean_env / ".local" / "share" / "kvstore"
-    assert s.cache_bytes == 50 * 2**30 and s.codec == "none" and s.direct_io is True
+    assert s.cache_bytes == 50 * 2**30 and s.codec is Codec.NONE and s.direct_io is True
     assert (s.io_workers, s.disk_workers, s.upload_workers) == (16, 8, 8)
     assert s.load_timeout_s == 5 and s.outage_cooldown_s == 5
     assert (s.probe_hit_ttl_s, s.probe_miss_ttl_s) == (600, 2)

@@ -94,3 +94,11 @@ def test_paths_equal_vllm_file_mapper(ns: Namespace) -> None:
     assert mapper.get_config_file_path() == f"root/{ns.config_key}"
     for key in _keys():
         assert mapper.get_file_name(key) == f"root/{ns.chunk_key(key)}"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "width"),
+    [("bfloat16", 2), ("torch.float16", 2), ("float32", 4), ("float8_e4m3fn", 1), ("fp8", 1), ("auto", 1)],
+)
+def test_element_width_follows_the_dtype(dtype: str, width: int) -> None:
+    assert Namespace(model_name="m", tokens_per_hash=16, dtype=dtype).element_width == width
