@@ -22,11 +22,11 @@ from collections.abc import Iterable, Iterator
 import zstandard
 
 from kvstore.errors import StoreError
+from kvstore.layout import ACCESS_PREFIX
 from kvstore.stores import ObjectStore
 
 log = logging.getLogger(__name__)
 
-ACCESS_PREFIX = "_meta/access/"
 RECORD_VERSION = 1
 
 

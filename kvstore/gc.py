@@ -49,19 +49,18 @@ from typing import Any, Protocol, TypeAlias
 
 import zstandard
 
-from kvstore.access import ACCESS_PREFIX, decode_batch, encode_batch
+from kvstore.access import decode_batch, encode_batch
 from kvstore.errors import KVStoreError, StoreUnavailable
-from kvstore.keys import is_chunk_key
+from kvstore.layout import ACCESS_PREFIX, GC_REPORT_PREFIX, is_chunk_key
 from kvstore.lease import Lease
 from kvstore.pin_fence import DeleteFence
 from kvstore.pins import PinView
 from kvstore.stores import ObjectInfo, ObjectStore
 
-__all__ = ["GC_REPORT_PREFIX", "CachePins", "GCCancelled", "GCReport", "Pinned", "list_reports", "run_gc"]
+__all__ = ["CachePins", "GCCancelled", "GCReport", "Pinned", "list_reports", "run_gc"]
 
 log = logging.getLogger(__name__)
 
-GC_REPORT_PREFIX = "_meta/gc/reports/"
 DELETE_BATCH = 1000  # S3 DeleteObjects takes at most 1000 keys per request
 COMPACT_BATCH = 50_000  # keys per compacted access record, like the recorder's default flush size
 _COMPACT_ROUND_S = 60.0  # compacted timestamps are rounded *up*: a chunk may look younger, never older

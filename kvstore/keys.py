@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.errors import ConfigError
+from kvstore.layout import CONFIG_FILENAME
 
 _NAMESPACE_HASH_LEN = 12
-CONFIG_FILENAME = "config.json"
 
 
 def make_offload_key(block_hash: bytes, group: int = 0) -> bytes:
@@ -160,13 +160,3 @@ def chunk_key_to_offload_key(chunk_key: str) -> bytes:
         return make_offload_key(bytes.fromhex(name.removesuffix(".bin")), group)
     except (ValueError, IndexError):
         raise ConfigError(f"not a chunk key: {chunk_key!r}") from None
-
-
-# Everything that is not chunk data (pins, leases, access records, GC reports) lives under this prefix.
-META_PREFIX = "_meta/"
-
-
-def is_chunk_key(key: str) -> bool:
-    """Whether `key` names a chunk object (a `.bin` object outside `_meta/`): what GC may delete and what
-    remote regions are asked for."""
-    return key.endswith(".bin") and not key.startswith(META_PREFIX)

@@ -26,11 +26,11 @@ from types import TracebackType
 from typing import Any, Self
 
 from kvstore.errors import KVStoreError
+from kvstore.layout import LEASE_PREFIX
 from kvstore.stores import ObjectStore
 
-__all__ = ["LEASE_PREFIX", "Lease", "LeaseHeld", "LeaseInfo", "LeaseLost", "default_holder", "read_lease"]
+__all__ = ["Lease", "LeaseHeld", "LeaseInfo", "LeaseLost", "default_holder", "read_lease"]
 
-LEASE_PREFIX = "_meta/leases/"
 _CLAIM_KEEP_S = 86_400.0  # takeover claims older than this are pruned (no taker is that slow)
 
 

@@ -36,12 +36,11 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from kvstore.errors import KVStoreError, StoreError
+from kvstore.layout import GC_HOLD_PREFIX, GC_MARKER_KEY
 from kvstore.lease import Lease, read_lease
 from kvstore.stores.base import ObjectStore
 
 __all__ = [
-    "HOLD_PREFIX",
-    "MARKER_KEY",
     "DeleteFence",
     "FenceTimeout",
     "fenced_pin_write",
@@ -51,8 +50,6 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-MARKER_KEY = "_meta/gc/deleting.json"
-HOLD_PREFIX = "_meta/gc/holds/"
 # GC's marker: creators treat it as live this long at most; GC starts its delete only while at least
 # `PHASE_MARGIN_S` of it are left, which covers one bounded delete request and clock disagreement.
 PHASE_TTL_S = 120.0
@@ -101,7 +98,7 @@ class DeleteFence:
         now = self._clock()
         live: list[str] = []
         dead: list[str] = []
-        for info in self._store.list(HOLD_PREFIX):
+        for info in self._store.list(GC_HOLD_PREFIX):
             until = _until(self._store.get(info.key))
             if until is not None and until > now:
                 live.append(info.key)
@@ -117,11 +114,11 @@ class DeleteFence:
         while True:
             until = self._clock() + PHASE_TTL_S
             marker = {"token": self._lease.token, "holder": self._lease.holder, "until": until}
-            self._store.put(MARKER_KEY, json.dumps(marker).encode())
+            self._store.put(GC_MARKER_KEY, json.dumps(marker).encode())
             if not self._live_holds():
                 break
             # A creator is between its hold and its manifest: step back so it can finish, then re-announce.
-            self._store.delete(MARKER_KEY)
+            self._store.delete(GC_MARKER_KEY)
             began = time.monotonic()
             while self._live_holds():
                 if time.monotonic() > deadline:
@@ -131,14 +128,14 @@ class DeleteFence:
         try:
             yield until
         finally:
-            self._store.delete(MARKER_KEY)
+            self._store.delete(GC_MARKER_KEY)
 
     def in_time(self, until: float) -> bool:
         return self._clock() < until - PHASE_MARGIN_S
 
 
 def _marker_live(store: ObjectStore, now: float) -> bool:
-    blob = store.get(MARKER_KEY)
+    blob = store.get(GC_MARKER_KEY)
     until = _until(blob)
     if until is None or until <= now:
         return False
@@ -163,7 +160,7 @@ def fenced_pin_write(
     """Run `write` (the manifest write of a pin) on the creator's side of the fence; see the module
     docstring. Waits while a GC delete batch is in flight (normally well under a second); `FenceTimeout`
     after `wait_s`."""
-    hold_key = f"{HOLD_PREFIX}{uuid.uuid4().hex}.json"
+    hold_key = f"{GC_HOLD_PREFIX}{uuid.uuid4().hex}.json"
     deadline = time.monotonic() + wait_s
     try:
         while True:

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.keys import CONFIG_FILENAME, Namespace
+from kvstore.keys import Namespace
+from kvstore.layout import CONFIG_FILENAME, PIN_PREFIX
 from kvstore.pin_fence import fenced_pin_write
 from kvstore.stores.base import ObjectStore
 
 __all__ = [
     "NAMESPACE_ID_PATTERN",
-    "PIN_PREFIX",
     "NamespaceNotFound",
     "PinExists",
     "PinManifest",
@@ -45,7 +45,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PIN_PREFIX = "_meta/pins/"
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 # `<model>_<sha12>` (`Namespace.id`): one object key segment, so no '/', NUL or control characters, and short
 # enough that every chunk key below it stays within S3's 1024-byte key limit.

@@ -17,7 +17,7 @@ from kvstore.cache import NVMeCache
 from kvstore.engine.counters import FIELDS, counter_name
 from kvstore.errors import KVStoreError
 from kvstore.gc import list_reports
-from kvstore.keys import is_chunk_key
+from kvstore.layout import is_chunk_key
 from kvstore.metrics import TIERS
 from kvstore.pins import list_pins
 from kvstore.stores import ObjectStore, RegionalStore

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import struct
 
-from kvstore.migrations.runner import LAYOUT_KEY, MigrationContext
+from kvstore.layout import LAYOUT_KEY
+from kvstore.migrations.runner import MigrationContext
 
 VERSION = 1
 describe = "baseline: stamp index schema 1 (recompute counters and LRU); write _meta/layout.json"

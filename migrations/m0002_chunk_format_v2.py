@@ -21,8 +21,8 @@ import struct
 from kvstore.cache.files import ChunkFiles
 from kvstore.chunk import decode_legacy, encode
 from kvstore.errors import ChunkError
-from kvstore.keys import is_chunk_key
-from kvstore.migrations.runner import LAYOUT_KEY, MigrationContext
+from kvstore.layout import LAYOUT_KEY, is_chunk_key
+from kvstore.migrations.runner import MigrationContext
 
 log = logging.getLogger(__name__)
 

@@ -26,11 +26,11 @@ import lmdb
 
 from kvstore.cache import index as cache_index
 from kvstore.errors import KVStoreError
+from kvstore.layout import LAYOUT_KEY
 from kvstore.stores.base import ObjectStore
 
 __all__ = [
     "LATEST_VERSION",
-    "LAYOUT_KEY",
     "MIGRATIONS",
     "Applied",
     "MigrationContext",
@@ -40,7 +40,6 @@ __all__ = [
     "migrate",
 ]
 
-LAYOUT_KEY = "_meta/layout.json"
 # The code's schema version; the steps must reach exactly this (checked in `load_steps`).
 LATEST_VERSION = cache_index.SCHEMA_VERSION
 MIGRATIONS = "kvstore.migrations"

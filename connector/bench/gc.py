@@ -19,8 +19,9 @@ import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvstore.access import ACCESS_PREFIX, encode_batch
+from kvstore.access import encode_batch
 from kvstore.gc import run_gc
+from kvstore.layout import ACCESS_PREFIX
 from kvstore.stores import ObjectStore
 
 __all__ = ["bench_chunk_key", "generate_bucket", "run_gc_bench"]

@@ -34,7 +34,7 @@ from typing_extensions import override
 
 from kvstore.chunk import verify
 from kvstore.errors import ChunkError, ConfigError, StoreError
-from kvstore.keys import is_chunk_key
+from kvstore.layout import is_chunk_key
 from kvstore.metrics import EngineMetrics
 from kvstore.stores.base import Buffer, Data, ObjectInfo, ObjectStore
 

@@ -21,8 +21,9 @@ from kvstore.admin import routes_gc
 from kvstore.admin.app import create_app
 from kvstore.events import OWNERSHIP_OBJECT
 from kvstore.keys import KVCacheGroup, Namespace, make_offload_key
+from kvstore.layout import PIN_PREFIX
 from kvstore.lease import Lease, read_lease
-from kvstore.pins import PIN_PREFIX, create_pin
+from kvstore.pins import create_pin
 from kvstore.runtime import Node
 from kvstore.stores import ObjectInfo, ObjectStore
 from kvstore.stores.base import Data

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from kvstore.admin.app import create_app
 from kvstore.keys import KVCacheGroup, Namespace
-from kvstore.pins import PIN_PREFIX
+from kvstore.layout import PIN_PREFIX
 from kvstore.runtime import Node
 
 pytestmark = pytest.mark.integration

@@ -23,7 +23,7 @@ from kvstore.connector.configs import cpu_tiering_config
 from kvstore.connector.harness.tiny_model import sample_text
 from kvstore.connector.harness.vllm_server import VLLMServer, VLLMServerError, vllm_server
 from kvstore.key_scheme import namespace_schemes, scheme_for
-from kvstore.keys import CONFIG_FILENAME
+from kvstore.layout import CONFIG_FILENAME
 from kvstore.pins import load_namespace
 from kvstore.prompts import tokens_from_messages, tokens_from_prompt
 from kvstore.runtime import Node

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kvstore.access import ACCESS_PREFIX, AccessRecorder, read_access_records
+from kvstore.access import AccessRecorder, read_access_records
+from kvstore.layout import ACCESS_PREFIX
 from kvstore.stores import ObjectStore
 
 

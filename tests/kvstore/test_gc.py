@@ -25,8 +25,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvstore import gc as gc_module
-from kvstore.access import ACCESS_PREFIX, encode_batch, read_access_records
-from kvstore.gc import GC_REPORT_PREFIX, LISTING_RESOLUTION_S, GCReport, list_reports, run_gc
+from kvstore.access import encode_batch, read_access_records
+from kvstore.gc import LISTING_RESOLUTION_S, GCReport, list_reports, run_gc
+from kvstore.layout import ACCESS_PREFIX, GC_REPORT_PREFIX
 from kvstore.lease import Lease, LeaseHeld, LeaseLost, read_lease
 from kvstore.stores import MemoryStore, ObjectStore
 from tests.helpers import FakeClock

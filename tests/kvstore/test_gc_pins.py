@@ -19,11 +19,12 @@ import pytest
 from typing_extensions import override
 
 from kvstore import gc as gc_module
-from kvstore.access import ACCESS_PREFIX, encode_batch
+from kvstore.access import encode_batch
 from kvstore.gc import run_gc
-from kvstore.keys import KVCacheGroup, Namespace, is_chunk_key, make_offload_key
-from kvstore.pin_fence import HOLD_PREFIX, MARKER_KEY, fenced_pin_write
-from kvstore.pins import PIN_PREFIX, PinManifest, create_pin, pinned_keys
+from kvstore.keys import KVCacheGroup, Namespace, make_offload_key
+from kvstore.layout import ACCESS_PREFIX, GC_HOLD_PREFIX, GC_MARKER_KEY, PIN_PREFIX, is_chunk_key
+from kvstore.pin_fence import fenced_pin_write
+from kvstore.pins import PinManifest, create_pin, pinned_keys
 from kvstore.stores import ObjectInfo, ObjectStore
 from kvstore.stores.base import Data
 
@@ -94,7 +95,7 @@ class PhaseStore(ObjectStore):
 
     @override
     def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[ObjectInfo]:
-        if prefix == HOLD_PREFIX:
+        if prefix == GC_HOLD_PREFIX:
             self._at("holds", None)  # the fence looking for pin creators between their hold and manifest
         for i, info in enumerate(self.inner.list(prefix, start_after)):
             if prefix == "" and i == 0:
@@ -120,7 +121,7 @@ def _create_pin_concurrently(store: ObjectStore, name: str, keys: list[str]) -> 
     thread = threading.Thread(target=create, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
-    while not done.is_set() and not any(True for _ in store.list(HOLD_PREFIX)):
+    while not done.is_set() and not any(True for _ in store.list(GC_HOLD_PREFIX)):
         assert time.monotonic() < deadline, "the pin creation neither finished nor reached the fence"
         time.sleep(0.005)
     return thread
@@ -173,7 +174,7 @@ def test_a_pin_created_at_any_phase_of_a_gc_loses_no_chunk(
     assert report.kept_pinned == len(survivors) and report.deleted == len(keys) - len(survivors)
     assert report.pin_manifests >= 2
     # The fence leaves nothing behind.
-    assert store.get(MARKER_KEY) is None and not list(store.list(HOLD_PREFIX))
+    assert store.get(GC_MARKER_KEY) is None and not list(store.list(GC_HOLD_PREFIX))
 
 
 def test_gc_waits_for_a_creator_between_its_hold_and_its_manifest(
@@ -216,10 +217,10 @@ def test_holds_of_crashed_creators_neither_block_gc_nor_pile_up(
     bucket: tuple[ObjectStore, list[str], float],
 ) -> None:
     store, keys, t0 = bucket
-    store.put(f"{HOLD_PREFIX}crashed-long-ago.json", json.dumps({"until": time.time() - 7200}).encode())
-    store.put(f"{HOLD_PREFIX}crashed-just-now.json", json.dumps({"until": time.time() - 1}).encode())
-    store.put(f"{HOLD_PREFIX}torn.json", b"{not json")
+    store.put(f"{GC_HOLD_PREFIX}crashed-long-ago.json", json.dumps({"until": time.time() - 7200}).encode())
+    store.put(f"{GC_HOLD_PREFIX}crashed-just-now.json", json.dumps({"until": time.time() - 1}).encode())
+    store.put(f"{GC_HOLD_PREFIX}torn.json", b"{not json")
     report = run_gc(store, ttl_seconds=0, grace_seconds=0, now=t0 + 10)
     assert report.deleted == len(keys) and report.pin_fence_wait_s == 0
-    left = {info.key for info in store.list(HOLD_PREFIX)}
-    assert left == {f"{HOLD_PREFIX}crashed-just-now.json"}  # an unreadable hold counts as long expired
+    left = {info.key for info in store.list(GC_HOLD_PREFIX)}
+    assert left == {f"{GC_HOLD_PREFIX}crashed-just-now.json"}  # an unreadable hold counts as long expired

@@ -12,8 +12,8 @@ import pytest
 from kvstore.cache.nvme import NVMeCache
 from kvstore.chunk import Codec, decode, encode, encode_legacy
 from kvstore.errors import CacheError
+from kvstore.layout import LAYOUT_KEY
 from kvstore.migrations import LATEST_VERSION, Applied, MigrationError, load_steps, migrate
-from kvstore.migrations.runner import LAYOUT_KEY
 from kvstore.stores.base import ObjectStore
 
 _ENTRY = struct.Struct("<Q16sQ8sB")
