@@ -42,16 +42,21 @@ def decode_batch(blob: bytes) -> tuple[float, list[str]]:
     return float(data["ts"]), list(data["keys"])
 
 
-def read_access_records(store: ObjectStore, prefix: str = ACCESS_PREFIX) -> Iterator[tuple[float, list[str]]]:
-    """Every readable batch under `prefix` (unreadable ones are skipped with a warning)."""
+def read_access_records(
+    store: ObjectStore, prefix: str = ACCESS_PREFIX
+) -> Iterator[tuple[str, float, list[str]]]:
+    """`(record key, timestamp, chunk keys)` of every readable batch under `prefix` (unreadable ones are
+    skipped with a warning, and left in place)."""
     for info in store.list(prefix):
         blob = store.get(info.key)
         if blob is None:
             continue
         try:
-            yield decode_batch(blob)
-        except (ValueError, KeyError, zstandard.ZstdError) as exc:
+            ts, keys = decode_batch(blob)
+        except (ValueError, KeyError, TypeError, zstandard.ZstdError) as exc:
             log.warning("skipping unreadable access record %s: %s", info.key, exc)
+            continue
+        yield info.key, ts, keys
 
 
 class AccessRecorder:

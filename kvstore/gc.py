@@ -47,9 +47,7 @@ from collections.abc import Callable, Iterator, Set
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, TypeAlias
 
-import zstandard
-
-from kvstore.access import decode_batch, encode_batch
+from kvstore.access import encode_batch, read_access_records
 from kvstore.errors import KVStoreError, StoreUnavailable
 from kvstore.layout import ACCESS_PREFIX, GC_REPORT_PREFIX, is_chunk_key
 from kvstore.lease import Lease
@@ -231,16 +229,8 @@ def _merge_access(store: ObjectStore) -> tuple[dict[str, float], list[str]]:
     """Newest access timestamp per chunk key named by a record, and the record keys that were read."""
     last: dict[str, float] = {}
     record_keys: list[str] = []
-    for info in store.list(ACCESS_PREFIX):
-        blob = store.get(info.key)
-        if blob is None:
-            continue
-        try:
-            ts, keys = decode_batch(blob)
-        except (ValueError, KeyError, TypeError, zstandard.ZstdError) as exc:
-            log.warning("skipping unreadable access record %s: %s", info.key, exc)
-            continue
-        record_keys.append(info.key)
+    for record_key, ts, keys in read_access_records(store):
+        record_keys.append(record_key)
         for key in keys:
             if ts > last.get(key, 0.0):
                 last[key] = ts

@@ -14,7 +14,7 @@ def test_batches_are_flushed_deduplicated_and_readable(s3_store: ObjectStore) ->
     recorder.record(f"b/{i}.bin" for i in range(1500))  # past max_keys: flushed by the background thread
     recorder.close()
     batches = list(read_access_records(s3_store))
-    keys = [k for _, batch in batches for k in batch]
+    keys = [k for _, _, batch in batches for k in batch]
     assert sorted(set(keys)) == sorted({"a/1.bin", "a/2.bin"} | {f"b/{i}.bin" for i in range(1500)})
     assert len(keys) == len(set(keys))
     assert all(info.key.startswith(ACCESS_PREFIX + "") for info in s3_store.list(ACCESS_PREFIX))

@@ -90,7 +90,7 @@ def test_ttl_deletes_only_idle_unpinned(s3_store: Any) -> None:
     assert report.kept_pinned == 1 and report.kept_young == 0 and not report.dry_run
     assert report.access_records == 2 and report.records_compacted == 2
     # Compaction kept the surviving keys' access times (keys[0] and keys[1] stay alive at the same clock).
-    merged = {k: ts for ts, ks in read_access_records(s3_store) for k in ks}
+    merged = {k: ts for _, ts, ks in read_access_records(s3_store) for k in ks}
     assert set(merged) == {keys[0], keys[1]} and merged[keys[0]] >= t0 + 5000
     again = run_gc(s3_store, ttl_seconds=3000, grace_seconds=600, pinned={keys[3]}, now=t0 + 6000)
     assert again.deleted == 0 and survivors <= present(s3_store)
@@ -338,7 +338,7 @@ def check_gc_invariants(
     """Run GC and check the invariants against what the store and the records said just before."""
     before = {i.key: i for i in store.list() if i.key.endswith(".bin")}
     last = {k: i.last_modified for k, i in before.items()}
-    for ts, keys in read_access_records(store):
+    for _, ts, keys in read_access_records(store):
         for k in keys:
             if k in last:
                 last[k] = max(last[k], ts)
