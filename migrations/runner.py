@@ -24,7 +24,7 @@ from typing import Literal
 
 import lmdb
 
-from kvstore.cache import index as cache_index
+from kvstore.cache import lmdb_env as cache_index
 from kvstore.errors import KVStoreError
 from kvstore.layout import LAYOUT_KEY
 from kvstore.stores.base import ObjectStore

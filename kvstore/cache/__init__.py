@@ -1,7 +1,8 @@
 """The node-local NVMe cache of chunks: ``NVMeCache`` plus its value types, fsck report and index rebuild."""
 
 from kvstore.cache.fsck import FsckReport, RebuildReport, rebuild_index
-from kvstore.cache.index import SCHEMA_VERSION, Backlog
+from kvstore.cache.index import Backlog
+from kvstore.cache.lmdb_env import SCHEMA_VERSION
 from kvstore.cache.nvme import CachedChunk, CacheUsage, NVMeCache, ReadResult, ReadStatus, StagedFile
 
 __all__ = [

@@ -24,53 +24,35 @@ Sub-databases (keys are the chunk key's UTF-8 bytes unless stated):
              ``uploads`` inside every write transaction: ``used_bytes``, ``entries``, ``upload_bytes``,
              ``upload_entries``.
 
-LMDB forbids opening one environment twice in a process, so environments are shared through a process-wide
-registry keyed by real path. After ``fork`` the child keeps using the inherited handle: py-lmdb refuses a
-second handle on the same files, and closing the inherited one would run ``mdb_env_close``, which clears the
-*parent's* reader slots. The one cost: the child's readers are recorded under the parent's pid, so a reader
-slot of a child killed mid-read is reclaimed only when the parent exits. Prefer 'spawn' for workers.
-
-A damaged index is refused at open with a `CacheError` (`fsck --fix` rebuilds it from the self-describing
-chunk files): a data file shorter than its own meta pages say would otherwise crash the process with SIGBUS
-on the first read of a missing page.
+Opening the environment (once per process, its schema and data file checked) is ``lmdb_env.py``'s job.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import struct
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import ParamSpec, TypeVar
 
 import lmdb
 
+from kvstore.cache.lmdb_env import DEFAULT_MAP_SIZE, INDEX_DIR, Shared, acquire, release, translate
 from kvstore.errors import CacheClosed, CacheError
 
-SCHEMA_VERSION = 2
 STATE_READY = 1
 MAX_KEY_BYTES = 500  # LMDB's key limit is 511 bytes and LRU keys carry an 8-byte prefix
-DEFAULT_MAP_SIZE = 64 << 30
 # Eviction passes over at most this many chunks that still wait for upload to find uploaded ones: bounded
 # work per admission, and under a long outage (everything waits) plain LRU order again.
-_UPLOAD_LOOKAHEAD = 256  # sparse: LMDB only grows the file as pages are used
-INDEX_DIR = "index"
+_UPLOAD_LOOKAHEAD = 256
 
 _ENTRY = struct.Struct("<Q16sQ8sBBQQ")
 _U64 = struct.Struct("<Q")
 _TS = struct.Struct(">Q")  # big-endian so LMDB's byte order is time order
-_SCHEMA_KEY = b"schema_version"
 _USED_KEY = b"used_bytes"
 _COUNT_KEY = b"entries"
 _UPLOAD_BYTES_KEY = b"upload_bytes"
 _UPLOAD_COUNT_KEY = b"upload_entries"
-_DB_NAMES = (b"entries", b"lru", b"pins", b"uploads", b"meta", b"counters")
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
@@ -137,185 +119,6 @@ def encode_key(key: str) -> bytes:
     return raw
 
 
-def _translate(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    """Map LMDB's exceptions to CacheError at this module's edge."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        try:
-            return fn(*args, **kwargs)
-        except lmdb.Error as exc:
-            raise CacheError(f"cache index error: {exc}") from exc
-
-    return wrapper
-
-
-@dataclass
-class _Shared:
-    env: lmdb.Environment
-    entries: lmdb._Database
-    lru: lmdb._Database
-    pins: lmdb._Database
-    uploads: lmdb._Database
-    meta: lmdb._Database
-    counters: lmdb._Database
-    pid: int
-    refs: int = 0
-
-
-_REGISTRY: dict[str, _Shared] = {}
-_REGISTRY_LOCK = threading.Lock()
-
-
-def _open_shared(path: str, map_size: int, max_readers: int, sync: bool) -> _Shared:
-    os.makedirs(path, exist_ok=True)
-    check_data_file(path)
-    # metasync off: one fsync per commit instead of two. LMDB still flushes a commit's pages before its meta
-    # page, so a crash can lose the last commit but never leaves a torn index.
-    env = lmdb.open(path, map_size=map_size, max_dbs=8, max_readers=max_readers, sync=sync, metasync=False)
-    try:
-        # Reader slots of SIGKILLed processes would otherwise pin old pages forever.
-        env.reader_check()
-        entries, lru, pins, uploads, meta, counters = (env.open_db(name) for name in _DB_NAMES)
-        shared = _Shared(
-            env=env,
-            entries=entries,
-            lru=lru,
-            pins=pins,
-            uploads=uploads,
-            meta=meta,
-            counters=counters,
-            pid=os.getpid(),
-        )
-        _check_schema(shared, path)
-    except BaseException:
-        env.close()
-        raise
-    return shared
-
-
-def _check_schema(shared: _Shared, path: str) -> None:
-    with shared.env.begin() as txn:
-        raw = txn.get(_SCHEMA_KEY, db=shared.meta)
-    if raw is None:
-        with shared.env.begin(write=True) as txn:
-            if txn.get(_SCHEMA_KEY, db=shared.meta) is not None:
-                return  # another process initialised it between our two transactions
-            if txn.stat(shared.entries)["entries"]:
-                # Entries but no version: an index from before versioning, whose counters and LRU order
-                # may be missing. Stamping it here would skip the migration that rebuilds them.
-                raise CacheError(
-                    f"cache index {path!r} predates schema versioning; run `kvstore migrate` first"
-                )
-            txn.put(_SCHEMA_KEY, _U64.pack(SCHEMA_VERSION), db=shared.meta)
-        return
-    version = _U64.unpack(raw)[0]
-    if version > SCHEMA_VERSION:
-        raise CacheError(
-            f"cache index {path!r} has schema version {version}, newer than this kvstore supports "
-            f"({SCHEMA_VERSION}); upgrade kvstore or point the cache at another directory"
-        )
-    if version < SCHEMA_VERSION:
-        raise CacheError(
-            f"cache index {path!r} has schema version {version}; run `kvstore migrate` to upgrade it "
-            f"to {SCHEMA_VERSION}"
-        )
-
-
-# LMDB's meta pages (pages 0 and 1): a 16-byte page header, then MDB_meta. Only the fields needed to know
-# how long the data file must be: magic, the last page used, and the transaction id that says which of the
-# two metas is current. See lmdb.h / mdb.c (MDB_meta); stable since LMDB 0.9.
-_MDB_MAGIC = 0xBEEFC0DE
-_META = struct.Struct("<IIQQ")  # mm_magic, mm_version, mm_address, mm_mapsize
-_META_AT = 16
-_DB_RECORD = 48  # sizeof(MDB_db) on 64-bit builds
-_LAST_PAGE_AT = _META_AT + _META.size + 2 * _DB_RECORD
-_TAIL = struct.Struct("<QQ")  # mm_last_pg, mm_txnid
-
-
-def check_data_file(path: str) -> None:
-    """CacheError if ``<path>/data.mdb`` is damaged in a way LMDB would only find by crashing: a file shorter
-    than the pages its current meta page says are in use (a truncated file, or torn meta pages). Reads the
-    two meta pages with plain file I/O, before LMDB maps anything."""
-    data = os.path.join(path, "data.mdb")
-    try:
-        size = os.path.getsize(data)
-    except FileNotFoundError:
-        return  # a new index
-    if size == 0:
-        return  # created but never committed: LMDB initialises it
-    with open(data, "rb") as f:
-        head = f.read(2 * 65536)
-    page_size = _page_size(head)
-    metas: list[tuple[int, int]] = []
-    for start in (0, page_size):
-        page = head[start : start + page_size]
-        if len(page) < _LAST_PAGE_AT + _TAIL.size:
-            continue
-        magic = _META.unpack_from(page, _META_AT)[0]
-        if magic == _MDB_MAGIC:
-            last_page, txn = _TAIL.unpack_from(page, _LAST_PAGE_AT)
-            metas.append((txn, last_page))
-    if not metas:
-        raise CacheError(
-            f"cache index {path!r} is damaged (no valid LMDB meta page); run `kvstore fsck --fix` to rebuild "
-            "it from the chunk files"
-        )
-    _, last_page = max(metas)
-    if (last_page + 1) * page_size > size:
-        raise CacheError(
-            f"cache index {path!r} is damaged: data.mdb is {size} bytes but its pages reach "
-            f"{(last_page + 1) * page_size}; run `kvstore fsck --fix` to rebuild it from the chunk files"
-        )
-
-
-def _page_size(head: bytes) -> int:
-    """The page size LMDB used, from the first meta page (``mm_psize`` lives in the free DB's ``md_pad``),
-    or from where a second meta page is found when the first is damaged."""
-    if len(head) >= _LAST_PAGE_AT and _META.unpack_from(head, _META_AT)[0] == _MDB_MAGIC:
-        psize = int.from_bytes(head[_META_AT + _META.size : _META_AT + _META.size + 4], "little")
-        if psize in (4096, 8192, 16384, 32768, 65536):
-            return psize
-    for candidate in (4096, 8192, 16384, 32768, 65536):
-        page = head[candidate : candidate + _META_AT + _META.size]
-        if len(page) == _META_AT + _META.size and _META.unpack_from(page, _META_AT)[0] == _MDB_MAGIC:
-            return candidate
-    return 4096
-
-
-def _acquire(path: str, map_size: int, max_readers: int, sync: bool) -> _Shared:
-    with _REGISTRY_LOCK:
-        shared = _REGISTRY.get(path)
-        if shared is None:
-            shared = _open_shared(path, map_size, max_readers, sync)
-            _REGISTRY[path] = shared
-        shared.refs += 1
-        return shared
-
-
-def _release(path: str, shared: _Shared) -> None:
-    with _REGISTRY_LOCK:
-        shared.refs -= 1
-        if shared.refs <= 0:
-            if _REGISTRY.get(path) is shared:
-                del _REGISTRY[path]
-            if shared.pid == os.getpid():  # never in a forked child: see the module docstring
-                shared.env.close()
-
-
-def is_open_in_this_process(directory: str | os.PathLike[str]) -> bool:
-    """Whether this process holds the index of the cache at `directory` open (one handle per process)."""
-    return os.path.realpath(os.path.join(directory, INDEX_DIR)) in _REGISTRY
-
-
-def read_schema_version(env: lmdb.Environment) -> int:
-    """The schema version an index records (0 before versioning), read through a handle of the caller's."""
-    meta = env.open_db(b"meta")
-    with env.begin() as txn:
-        raw = txn.get(_SCHEMA_KEY, db=meta)
-    return 0 if raw is None else int(_U64.unpack(raw)[0])
-
-
 def _lru_key(ts: int, key: bytes) -> bytes:
     return _TS.pack(ts) + key
 
@@ -323,7 +126,7 @@ def _lru_key(ts: int, key: bytes) -> bytes:
 class CacheIndex:
     """The LMDB index of one cache directory. Thread-safe; shareable by processes through LMDB itself."""
 
-    @_translate
+    @translate
     def __init__(
         self,
         directory: str | os.PathLike[str],
@@ -333,9 +136,9 @@ class CacheIndex:
         sync: bool = True,
     ) -> None:
         self.path = os.path.realpath(os.path.join(directory, INDEX_DIR))
-        self._shared: _Shared | None = _acquire(self.path, map_size, max_readers, sync)
+        self._shared: Shared | None = acquire(self.path, map_size, max_readers, sync)
 
-    def _db(self) -> _Shared:
+    def _db(self) -> Shared:
         shared = self._shared
         if shared is None:
             raise CacheClosed(f"cache index {self.path!r} is closed")
@@ -344,18 +147,18 @@ class CacheIndex:
     def close(self) -> None:
         shared, self._shared = self._shared, None
         if shared is not None:
-            _release(self.path, shared)
+            release(self.path, shared)
 
     # -- reads -------------------------------------------------------------------------------------------
 
-    @_translate
+    @translate
     def get(self, key: str) -> Entry | None:
         s = self._db()
         with s.env.begin() as txn:
             raw = txn.get(encode_key(key), db=s.entries)
         return None if raw is None else Entry.unpack(raw)
 
-    @_translate
+    @translate
     def get_many(self, keys: Iterable[str]) -> list[Entry | None]:
         """Each key's entry (or None), from one snapshot: a load of many chunks reads the index once."""
         s = self._db()
@@ -365,7 +168,7 @@ class CacheIndex:
             raws = [get(encode_key(k), db=db) for k in keys]
         return [None if raw is None else Entry.unpack(raw) for raw in raws]
 
-    @_translate
+    @translate
     def contains_many(self, keys: Iterable[str]) -> list[bool]:
         s = self._db()
         db = s.entries
@@ -373,14 +176,14 @@ class CacheIndex:
             get = txn.get
             return [get(encode_key(k), db=db) is not None for k in keys]
 
-    @_translate
+    @translate
     def pin_count(self, key: str) -> int:
         s = self._db()
         with s.env.begin() as txn:
             raw = txn.get(encode_key(key), db=s.pins)
         return 0 if raw is None else _U64.unpack(raw)[0]
 
-    @_translate
+    @translate
     def counters(self) -> tuple[int, int, int]:
         """(used bytes, entries, resident pinned entries), from one snapshot."""
         s = self._db()
@@ -400,7 +203,7 @@ class CacheIndex:
                 yield k.decode(), Entry.unpack(raw)
             after = rows[-1][0]
 
-    @_translate
+    @translate
     def _entry_batch(self, after: bytes | None, batch: int) -> list[tuple[bytes, bytes]]:
         s = self._db()
         rows: list[tuple[bytes, bytes]] = []
@@ -423,7 +226,7 @@ class CacheIndex:
         most once per admission, so the work is amortised O(1) per put."""
         return self.admit_many([(key, entry)], budget, touches)[0]
 
-    @_translate
+    @translate
     def admit_many(
         self, items: Sequence[tuple[str, Entry]], budget: int, touches: Mapping[str, int]
     ) -> list[Admission]:
@@ -437,7 +240,7 @@ class CacheIndex:
             return [self._admit_one(txn, s, encode_key(key), entry, budget, now) for key, entry in items]
 
     def _admit_one(
-        self, txn: lmdb.Transaction[bytes], s: _Shared, k: bytes, entry: Entry, budget: int, now: int
+        self, txn: lmdb.Transaction[bytes], s: Shared, k: bytes, entry: Entry, budget: int, now: int
     ) -> Admission:
         if txn.get(k, db=s.entries) is not None:
             return Admission(False)
@@ -465,7 +268,7 @@ class CacheIndex:
         self._set_counters(txn, s, used + entry.size, count + 1)
         return Admission(True, tuple((vk.decode(), ve) for vk, ve in victims), frozenset(uploading))
 
-    def _unqueue(self, txn: lmdb.Transaction[bytes], s: _Shared, k: bytes, entry: Entry) -> int:
+    def _unqueue(self, txn: lmdb.Transaction[bytes], s: Shared, k: bytes, entry: Entry) -> int:
         """Drop `entry`'s upload record, if it has one (it is leaving, or has been uploaded); the record's
         not-before time (in the future while an uploader holds it), 0 if there was none."""
         if not entry.pending_upload:
@@ -478,7 +281,7 @@ class CacheIndex:
         self._add_upload_counters(txn, s, -entry.size, -1)
         return int(_U64.unpack(value)[0])
 
-    def _pick_victims(self, txn: lmdb.Transaction[bytes], s: _Shared, need: int) -> list[tuple[bytes, Entry]]:
+    def _pick_victims(self, txn: lmdb.Transaction[bytes], s: Shared, need: int) -> list[tuple[bytes, Entry]]:
         """Least recently used first, but an entry still waiting for upload (its only copy) is passed over
         for an uploaded one within the next ``_UPLOAD_LOOKAHEAD`` records; past that, it goes too."""
         victims: list[tuple[bytes, Entry]] = []
@@ -508,7 +311,7 @@ class CacheIndex:
             txn.delete(lk, db=s.lru)
         return victims
 
-    @_translate
+    @translate
     def apply_touches(self, touches: Mapping[str, int]) -> None:
         if not touches:
             return
@@ -516,7 +319,7 @@ class CacheIndex:
         with s.env.begin(write=True) as txn:
             self._apply_touches(txn, s, touches)
 
-    def _apply_touches(self, txn: lmdb.Transaction[bytes], s: _Shared, touches: Mapping[str, int]) -> None:
+    def _apply_touches(self, txn: lmdb.Transaction[bytes], s: Shared, touches: Mapping[str, int]) -> None:
         for key, ts in touches.items():
             k = key.encode()
             raw = txn.get(k, db=s.entries)
@@ -530,7 +333,7 @@ class CacheIndex:
                 txn.put(_lru_key(ts, k), b"", db=s.lru)
             txn.put(k, replace(entry, last_access_ns=ts).pack(), db=s.entries)
 
-    @_translate
+    @translate
     def remove(self, key: str, token: bytes | None = None) -> Entry | None:
         """Drop ``key``'s entry (only if its file token is ``token``, when given); returns the dropped entry.
 
@@ -542,7 +345,7 @@ class CacheIndex:
             entry = self._remove(txn, s, k, token)
         return entry
 
-    @_translate
+    @translate
     def remove_many(self, items: Iterable[tuple[str, bytes]]) -> list[tuple[str, Entry]]:
         s = self._db()
         removed: list[tuple[str, Entry]] = []
@@ -553,9 +356,7 @@ class CacheIndex:
                     removed.append((key, entry))
         return removed
 
-    def _remove(
-        self, txn: lmdb.Transaction[bytes], s: _Shared, k: bytes, token: bytes | None
-    ) -> Entry | None:
+    def _remove(self, txn: lmdb.Transaction[bytes], s: Shared, k: bytes, token: bytes | None) -> Entry | None:
         raw = txn.get(k, db=s.entries)
         if raw is None:
             return None
@@ -571,7 +372,7 @@ class CacheIndex:
 
     # -- node-wide counters ------------------------------------------------------------------------------
 
-    @_translate
+    @translate
     def add_counters(self, deltas: Mapping[str, int]) -> None:
         """Add each process's own increments to the node's counters (one write transaction)."""
         if not deltas:
@@ -584,7 +385,7 @@ class CacheIndex:
                 total = (0 if raw is None else _U64.unpack(raw)[0]) + delta
                 txn.put(k, _U64.pack(max(0, total)), db=s.counters)
 
-    @_translate
+    @translate
     def read_counters(self) -> dict[str, int]:
         s = self._db()
         with s.env.begin() as txn:
@@ -592,7 +393,7 @@ class CacheIndex:
 
     # -- the upload journal ------------------------------------------------------------------------------
 
-    @_translate
+    @translate
     def claim_uploads(self, limit: int, now_ns: int, lease_ns: int) -> list[tuple[str, Entry]]:
         """Up to `limit` queued chunks, oldest first, that nobody holds (not-before time passed), each now
         held by the caller until `now_ns + lease_ns`. One write transaction, so two processes never claim
@@ -620,7 +421,7 @@ class CacheIndex:
                 txn.delete(record, db=s.uploads)
         return claimed
 
-    @_translate
+    @translate
     def finish_uploads(
         self, done: Iterable[str], retry: Iterable[str] = (), retry_at_ns: int = 0
     ) -> list[str]:
@@ -651,7 +452,7 @@ class CacheIndex:
                         txn.put(record, again, db=s.uploads)
         return gone
 
-    @_translate
+    @translate
     def backlog(self) -> Backlog:
         """What waits for upload: counters, and the age of the oldest record (the first in key order)."""
         s = self._db()
@@ -661,7 +462,7 @@ class CacheIndex:
             oldest = _TS.unpack(cursor.key()[:8])[0] if cursor.first() else 0
         return Backlog(chunks=count, bytes=nbytes, oldest_queued_ns=oldest)
 
-    @_translate
+    @translate
     def change_pins(self, keys: Iterable[str], delta: int) -> None:
         """Add ``delta`` (+1 or -1) to each key's pin count; counts never go below zero. A key whose count
         leaves zero loses its LRU record (eviction cannot see it); one that returns to zero gets it back."""
@@ -689,7 +490,7 @@ class CacheIndex:
                 else:
                     txn.put(lk, b"", db=s.lru)
 
-    @_translate
+    @translate
     def rebuild(self) -> tuple[int, int, int, int]:
         """Recompute counters, the LRU database and the upload journal from ``entries`` (fsck's repair of
         index drift).
@@ -718,7 +519,7 @@ class CacheIndex:
             txn.put(_UPLOAD_COUNT_KEY, _U64.pack(uploads), db=s.meta)
         return rec_used, used, rec_count, count
 
-    @_translate
+    @translate
     def audit(self) -> tuple[int, int, int, int, int]:
         """Read-only counterpart of ``rebuild``: (recorded used, actual used, recorded entries, actual
         entries, LRU and upload records that do not match exactly one entry, plus upload counter drift)."""
@@ -743,7 +544,7 @@ class CacheIndex:
         drift = (rec_upload_bytes != upload_bytes) + (rec_uploads != len(queued))
         return rec_used, used, rec_count, count, len(expected ^ actual) + len(queued ^ recorded_queue) + drift
 
-    def _counters(self, txn: lmdb.Transaction[bytes], s: _Shared) -> tuple[int, int]:
+    def _counters(self, txn: lmdb.Transaction[bytes], s: Shared) -> tuple[int, int]:
         used = txn.get(_USED_KEY, db=s.meta)
         count = txn.get(_COUNT_KEY, db=s.meta)
         return (
@@ -751,11 +552,11 @@ class CacheIndex:
             0 if count is None else _U64.unpack(count)[0],
         )
 
-    def _set_counters(self, txn: lmdb.Transaction[bytes], s: _Shared, used: int, count: int) -> None:
+    def _set_counters(self, txn: lmdb.Transaction[bytes], s: Shared, used: int, count: int) -> None:
         txn.put(_USED_KEY, _U64.pack(used), db=s.meta)
         txn.put(_COUNT_KEY, _U64.pack(count), db=s.meta)
 
-    def _upload_counters(self, txn: lmdb.Transaction[bytes], s: _Shared) -> tuple[int, int]:
+    def _upload_counters(self, txn: lmdb.Transaction[bytes], s: Shared) -> tuple[int, int]:
         nbytes = txn.get(_UPLOAD_BYTES_KEY, db=s.meta)
         count = txn.get(_UPLOAD_COUNT_KEY, db=s.meta)
         return (
@@ -763,7 +564,7 @@ class CacheIndex:
             0 if count is None else _U64.unpack(count)[0],
         )
 
-    def _add_upload_counters(self, txn: lmdb.Transaction[bytes], s: _Shared, nbytes: int, count: int) -> None:
+    def _add_upload_counters(self, txn: lmdb.Transaction[bytes], s: Shared, nbytes: int, count: int) -> None:
         have_bytes, have_count = self._upload_counters(txn, s)
         txn.put(_UPLOAD_BYTES_KEY, _U64.pack(max(0, have_bytes + nbytes)), db=s.meta)
         txn.put(_UPLOAD_COUNT_KEY, _U64.pack(max(0, have_count + count)), db=s.meta)

@@ -42,7 +42,8 @@ from types import TracebackType
 
 from kvstore.cache.files import ChunkFiles, new_token
 from kvstore.cache.fsck import FsckReport, check
-from kvstore.cache.index import DEFAULT_MAP_SIZE, Backlog, CacheIndex, Entry, encode_key
+from kvstore.cache.index import Backlog, CacheIndex, Entry, encode_key
+from kvstore.cache.lmdb_env import DEFAULT_MAP_SIZE
 from kvstore.chunk import (
     HEADER_BLOCK,
     Buffer,
