@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from queue import Empty
 
 import numpy as np
 from vllm.v1.kv_offload.base import ReqContext
@@ -229,21 +230,22 @@ def _memory_child(
     peak_cache = peak_rss = 0
     try:
         req = ReqContext(req_id="memory")
-        keys = iter(keys_for(f"memory-{side}", total // chunk_bytes + 1))
+        chunks = max(1, total // chunk_bytes)
+        keys = iter(keys_for(f"memory-{side}", chunks))
         free = list(range(rows))
         held: dict[int, list[int]] = {}
         job_id = stored = 0
-        while stored < total or held:
+        while stored < chunks or held:
             for result in tier.get_finished_jobs():
                 free.extend(held.pop(result.job_id))
-            if stored < total and free:
-                take = [free.pop() for _ in range(min(16, len(free)))]
+            if stored < chunks and free:
+                take = [free.pop() for _ in range(min(16, len(free), chunks - stored))]
                 job_id += 1
                 held[job_id] = take
                 tier.submit_store(
                     TransferJob(job_id, [next(keys) for _ in take], np.asarray(take), False, req)
                 )
-                stored += len(take) * chunk_bytes
+                stored += len(take)
             tier.on_schedule_end(None)  # type: ignore[arg-type]
             peak_cache = max(peak_cache, _meminfo_kib("Cached") - cached0)
             peak_rss = max(peak_rss, _rss_kib() - rss0)
@@ -256,7 +258,7 @@ def _memory_child(
         close_tier(tier)
         primary.close()
         shutil.rmtree(root, ignore_errors=True)
-    out.put(MemoryResult(side, total / (1 << 30), peak_cache / 1024, peak_rss / 1024))
+    out.put(MemoryResult(side, chunks * chunk_bytes / (1 << 30), peak_cache / 1024, peak_rss / 1024))
 
 
 def run_memory(*, chunk_bytes: int, rows: int, total: int, workdir: Path) -> list[MemoryResult]:
@@ -266,9 +268,29 @@ def run_memory(*, chunk_bytes: int, rows: int, total: int, workdir: Path) -> lis
         queue: multiprocessing.Queue = ctx.Queue()  # type: ignore[type-arg]
         child = ctx.Process(target=_memory_child, args=(side, chunk_bytes, rows, total, str(workdir), queue))
         child.start()
-        results.append(queue.get(timeout=1800))
+        results.append(_result_of(child, queue, side, deadline_s=1800))
         child.join(60)
     return results
+
+
+def _result_of(
+    child: multiprocessing.process.BaseProcess,
+    queue: multiprocessing.Queue,  # type: ignore[type-arg]
+    side: str,
+    *,
+    deadline_s: float,
+) -> MemoryResult:
+    """The child's result; a child that died without one is an error at once, not a wait to the deadline."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        try:
+            result: MemoryResult = queue.get(timeout=1)
+            return result
+        except Empty:
+            if not child.is_alive():
+                raise RuntimeError(f"the {side} memory run died (exit code {child.exitcode})") from None
+    child.kill()
+    raise RuntimeError(f"the {side} memory run gave no result in {deadline_s:.0f} s")
 
 
 def run_offered_bench(
