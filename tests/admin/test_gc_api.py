@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +25,8 @@ from kvstore.layout import PIN_PREFIX
 from kvstore.lease import Lease, read_lease
 from kvstore.pins import create_pin
 from kvstore.runtime import Node
-from kvstore.stores import ObjectInfo, ObjectStore
-from kvstore.stores.base import Data
-from tests.helpers import cli_env, listed_older_than, wait_for, wait_job
+from kvstore.stores import ObjectStore
+from tests.helpers import ForwardingStore, cli_env, listed_older_than, wait_for, wait_job
 
 pytestmark = pytest.mark.integration
 
@@ -217,20 +216,15 @@ def test_gc_publishes_block_removed_for_deleted_chunks_only(
     assert seq == 1 and marker.events[0].block_hashes == [as_vllm["young"]]
 
 
-class GatedStore(ObjectStore):
+class GatedStore(ForwardingStore):
     """The node's real store, whose pin-manifest reads and chunk batch deletes wait until their gate opens
     (a store that is slow exactly there), counting how many are waiting or done."""
 
     def __init__(self, inner: ObjectStore) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.pin_gate, self.delete_gate = threading.Event(), threading.Event()
         self.pin_reads = 0
         self.batches = 0
-
-    @property
-    @override
-    def url(self) -> str:
-        return self.inner.url
 
     @override
     def get(self, key: str) -> bytes | None:
@@ -240,43 +234,11 @@ class GatedStore(ObjectStore):
         return self.inner.get(key)
 
     @override
-    def get_range(self, key: str, start: int, length: int) -> bytes | None:
-        return self.inner.get_range(key, start, length)
-
-    @override
-    def put(self, key: str, data: Data) -> None:
-        self.inner.put(key, data)
-
-    @override
-    def put_if_absent(self, key: str, data: Data) -> bool:
-        return self.inner.put_if_absent(key, data)
-
-    @override
-    def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        return self.inner.exists_many(keys)
-
-    @override
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    @override
     def delete_many(self, keys: Sequence[str]) -> None:
         if any(k.endswith(".bin") for k in keys):
             self.batches += 1
             assert self.delete_gate.wait(60)
         self.inner.delete_many(keys)
-
-    @override
-    def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[ObjectInfo]:
-        return self.inner.list(prefix, start_after)
-
-    @override
-    def check(self) -> None:
-        self.inner.check()
-
-    @override
-    def close(self) -> None:
-        self.inner.close()
 
 
 def _old_chunks(node: Node, n: int) -> list[str]:

@@ -26,7 +26,7 @@ from kvstore.layout import ACCESS_PREFIX, GC_HOLD_PREFIX, GC_MARKER_KEY, PIN_PRE
 from kvstore.pin_fence import fenced_pin_write
 from kvstore.pins import PinManifest, create_pin, pinned_keys
 from kvstore.stores import ObjectInfo, ObjectStore
-from kvstore.stores.base import Data
+from tests.helpers import ForwardingStore
 
 pytestmark = pytest.mark.integration
 
@@ -40,46 +40,21 @@ def chunk(i: int) -> str:
     return NS.chunk_key(make_offload_key(i.to_bytes(32, "big")))
 
 
-class PhaseStore(ObjectStore):
+class PhaseStore(ForwardingStore):
     """Forwards to `inner`; calls `at(phase, detail)` at GC's phases and records every chunk deleted while a
     manifest named it (`violations`)."""
 
     def __init__(self, inner: ObjectStore, at: Callable[[str, Any], None]) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self._at = at
         self.violations: set[str] = set()
         self.deleted: list[list[str]] = []
-
-    @property
-    @override
-    def url(self) -> str:
-        return self.inner.url
 
     @override
     def get(self, key: str) -> bytes | None:
         if key.startswith(ACCESS_PREFIX):
             self._at("merge", key)
         return self.inner.get(key)
-
-    @override
-    def get_range(self, key: str, start: int, length: int) -> bytes | None:
-        return self.inner.get_range(key, start, length)
-
-    @override
-    def put(self, key: str, data: Data) -> None:
-        self.inner.put(key, data)
-
-    @override
-    def put_if_absent(self, key: str, data: Data) -> bool:
-        return self.inner.put_if_absent(key, data)
-
-    @override
-    def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        return self.inner.exists_many(keys)
-
-    @override
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
 
     @override
     def delete_many(self, keys: Sequence[str]) -> None:
@@ -101,10 +76,6 @@ class PhaseStore(ObjectStore):
             if prefix == "" and i == 0:
                 self._at("listing", info.key)
             yield info
-
-    @override
-    def check(self) -> None:
-        self.inner.check()
 
 
 def _create_pin_concurrently(store: ObjectStore, name: str, keys: list[str]) -> threading.Thread:
