@@ -46,6 +46,7 @@ _GRPC_SOCKET_DIR = Path("/tmp")
 # (after a restart `/healthz` and bucket listings succeed before volumes are readable again).
 _PROBE_BUCKET = "kvstore-embedded-probe"
 _PROBE_KEY = "ready"
+_SHELL_S = 120.0  # one maintenance pass of `weed shell`, at most
 _PORT_NAMES = (
     "master.port",
     "master.port.grpc",
@@ -128,6 +129,8 @@ class SeaweedServer:
         self._binary = Path(binary) if binary else find_weed_binary()
         self._ports: _Ports | None = None
         self._process: subprocess.Popen[bytes] | None = None
+        self._shell: subprocess.Popen[bytes] | None = None  # a `weed shell` maintenance pass, while one runs
+        self._started_at = 0.0  # wall-clock time of the last start
         self._log: IO[bytes] | None = None
         self.start_seconds: float | None = None  # how long the last start() took
         self._attached_endpoint: str | None = None  # set for a server another process runs
@@ -218,6 +221,7 @@ class SeaweedServer:
         if self._ports is None:
             self._ports = _Ports(dict(zip(_PORT_NAMES, _free_ports(len(_PORT_NAMES)), strict=True)))
         self._log = (self.data_dir / "weed.log").open("ab")
+        self._started_at = time.time()
         self._process = subprocess.Popen(
             self._command(self._ports),
             stdin=subprocess.DEVNULL,
@@ -240,32 +244,59 @@ class SeaweedServer:
         return weed_environment(self.data_dir, self.access_key, self.secret_key)
 
     def _reclaim(self) -> None:
-        """Compact the volumes that earlier runs deleted from (GC, benchmarks), in the background, through
-        `weed shell` over the master's gRPC port (its HTTP API is off; the shell finds the client
-        certificate in `security.toml`, in the working directory)."""
+        """Give back the space of objects that earlier runs deleted (GC, benchmarks), in the background.
+
+        The filer deletes an object's chunks from its volume asynchronously, and a stop in between loses
+        those deletions: the chunks stay, referenced by nothing, and no vacuum ever sees them as garbage. So
+        the first pass purges such orphans (`volume.fsck`) among the chunks written before this start, which
+        no upload still in flight can own, and every pass compacts the volumes (`volume.vacuum`). Volume
+        servers report their volumes a little after start, so a few cheap vacuum passes follow."""
         assert self._ports is not None
         master = f"{_HOST}:{self._ports.by_flag['master.port']}.{self._ports.by_flag['master.port.grpc']}"
         process = self._process
-        # Volume servers report their volumes to the master a little after start; a pass before that finds
-        # nothing to compact, so a few passes follow (each costs a fraction of a second when idle).
-        for delay in (0.5, 1.5, 3.0, 5.0, 10.0):
+        for number, delay in enumerate((0.5, 1.5, 3.0, 5.0, 10.0)):
             time.sleep(delay)
             if process is None or process.poll() is not None or process is not self._process:
                 return
+            commands = ["volume.vacuum -garbageThreshold=0.1"]
+            if number == 0:
+                before_start = max(1, int((time.time() - self._started_at) * 1000))
+                commands.insert(
+                    0,
+                    f"volume.fsck -reallyDeleteFromVolume -cutoffTimeAgo={before_start}ms "
+                    f"-tempPath={self.data_dir}",
+                )
             try:
-                with (self.data_dir / "weed-shell.log").open("ab") as out:
-                    subprocess.run(
-                        [str(self._binary), "-logtostderr", "shell", f"-master={master}"],
-                        input=b"lock\nvolume.vacuum -garbageThreshold=0.1\nunlock\n",
-                        stdout=out,
-                        stderr=out,
-                        env=self._environment(),
-                        cwd=self.data_dir,
-                        timeout=600,
-                        check=True,
-                    )
+                self._shell_pass(process, master, commands)
             except (OSError, subprocess.SubprocessError) as exc:  # stopped, or busy: the sweep comes later
-                log.debug("vacuum failed: %s", exc)
+                log.debug("volume maintenance failed: %s", exc)
+
+    def _shell_pass(self, server: subprocess.Popen[bytes], master: str, commands: list[str]) -> None:
+        """Run `commands` in one `weed shell` over the master's gRPC port (its HTTP API is off; the shell
+        finds the client certificate in `security.toml`, in the working directory). `stop` kills a shell
+        still running: one whose master is gone retries forever, outliving the server and its starter."""
+        script = "\n".join(["lock", *commands, "unlock", ""]).encode()
+        with (self.data_dir / "weed-shell.log").open("ab") as out:
+            shell = subprocess.Popen(
+                [str(self._binary), "-logtostderr", "shell", f"-master={master}"],
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=out,
+                env=self._environment(),
+                cwd=self.data_dir,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+            self._shell = shell
+            try:
+                if self._process is not server:  # stopped meanwhile, before it could see this shell
+                    return
+                shell.communicate(script, timeout=_SHELL_S)
+            finally:
+                if shell.poll() is None:
+                    shell.kill()
+                    shell.wait()
+                self._shell = None
 
     def _probe_store(self) -> S3Store:
         return S3Store(
@@ -311,6 +342,10 @@ class SeaweedServer:
     def stop(self, timeout: float = 15.0, *, kill: bool = False) -> None:
         """Terminate the process group (SIGKILL at once if `kill`, or after `timeout`) and wait for it."""
         process, self._process = self._process, None
+        shell = self._shell
+        if shell is not None:
+            with contextlib.suppress(ProcessLookupError):
+                shell.kill()
         if process is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL if kill else signal.SIGTERM)
