@@ -56,7 +56,7 @@ class EngineThreads:
     ) -> list[_R]:
         """``fn`` over ``args`` on ``workers`` threads of ``pool``, results in order. The threads take the
         items one by one from a shared iterator (no future per item: each future's locks are GIL hand-offs
-        for the scheduler thread). One item runs on the calling thread."""
+        for the scheduler thread). A lone item runs on the calling thread, with no hand-off."""
         if len(args) <= 1:
             return [fn(a) for a in args]
         out: list[_R | None] = [None] * len(args)
