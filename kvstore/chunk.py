@@ -251,26 +251,32 @@ def copy_bytes(src: Buffer, dest: memoryview) -> None:
 
 def unpack_into(header: ChunkHeader, payload: bytes | memoryview, dest: memoryview) -> None:
     """Decode `payload` (exactly `header.payload_length` bytes) into `dest` and verify it."""
+    header.verify(unpack_verified(header, payload, dest))
+
+
+def unpack_verified(header: ChunkHeader, payload: bytes | memoryview, dest: memoryview) -> memoryview:
+    """Decode a payload that `verify` has already checked into `dest`, returned flat. Decoding immutable
+    bytes is deterministic, so hashing what it wrote a second time would find nothing new."""
     out = flat(dest)
     if len(out) != header.raw_length:
         raise ChunkUnreadable(f"destination holds {len(out)} bytes, chunk decodes to {header.raw_length}")
     if header.codec is Codec.NONE:
         copy_bytes(payload, out)
+        return out
+    try:
+        data = zstandard.ZstdDecompressor().decompress(payload, max_output_size=header.raw_length)
+    except zstandard.ZstdError as exc:
+        raise ChunkFormatError(f"corrupt zstd payload: {exc}") from None
+    if len(data) != header.raw_length:
+        raise ChunkFormatError(f"payload decodes to {len(data)} bytes, header says {header.raw_length}")
+    target = np.frombuffer(out, dtype=np.uint8)
+    planes = np.frombuffer(data, dtype=np.uint8)
+    width = header.element_width
+    if width == 1:
+        target[:] = planes
     else:
-        try:
-            data = zstandard.ZstdDecompressor().decompress(payload, max_output_size=header.raw_length)
-        except zstandard.ZstdError as exc:
-            raise ChunkFormatError(f"corrupt zstd payload: {exc}") from None
-        if len(data) != header.raw_length:
-            raise ChunkFormatError(f"payload decodes to {len(data)} bytes, header says {header.raw_length}")
-        target = np.frombuffer(out, dtype=np.uint8)
-        planes = np.frombuffer(data, dtype=np.uint8)
-        width = header.element_width
-        if width == 1:
-            target[:] = planes
-        else:
-            target.reshape(-1, width)[:] = planes.reshape(width, -1).T
-    header.verify(out)
+        target.reshape(-1, width)[:] = planes.reshape(width, -1).T
+    return out
 
 
 def _validate(view: memoryview, key: str) -> ChunkHeader:

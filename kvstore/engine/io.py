@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.cache import CachedChunk, NVMeCache, StagedFile
-from kvstore.chunk import Buffer, ChunkHeader, Codec, decode_into, encode, payload_of, unpack_into, verify
+from kvstore.chunk import Buffer, ChunkHeader, Codec, decode_into, encode, payload_of, unpack_verified, verify
 from kvstore.errors import CacheError, ChunkError, StoreError
 from kvstore.stores import ObjectStore, get_located
 
@@ -49,12 +49,12 @@ def fetch(store: ObjectStore, key: str) -> Fetched:
 
 
 def deliver(fetched: Fetched, dest: memoryview) -> ChunkError | None:
-    """Copy a verified chunk's raw bytes into ``dest`` (memory speed, without the GIL); the error if it
-    cannot go there (another buffer size)."""
+    """Copy a chunk that `fetch` verified into ``dest`` (memory speed, without the GIL, and not hashed
+    again: the blob is immutable); the error if it cannot go there (another buffer size)."""
     assert fetched.header is not None and fetched.blob is not None
     header = fetched.header
     try:
-        unpack_into(header, payload_of(header, fetched.blob), dest)
+        unpack_verified(header, payload_of(header, fetched.blob), dest)
     except ChunkError as exc:
         return exc
     return None
