@@ -7,7 +7,6 @@ members.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import sys
 import threading
 import time
@@ -15,7 +14,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed")
@@ -28,42 +26,14 @@ from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
     OffloadingKVEventsConfig,
-    ReqContext,
-    make_offload_key,
 )
-from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 
 from kvstore.connector.harness.standalone import StandaloneTier, standalone_spec, standalone_tier
 from kvstore.connector.tier import KVStoreTier
 from kvstore.errors import ConfigError
 from kvstore.events import OWNERSHIP_NVME, OWNERSHIP_OBJECT
-
-CHUNK = 64 * 1024
-REQ = ReqContext(req_id="r1")
-
-
-def okey(i: int) -> bytes:
-    return make_offload_key(hashlib.sha256(f"compat-{i}".encode()).digest(), 0)
-
-
-def data(i: int) -> bytes:
-    return np.random.default_rng(i).integers(0, 255, CHUNK, dtype=np.uint8).tobytes()
-
-
-def job(job_id: int, keys: list[bytes], chunk_ids: list[int], promotion: bool) -> TransferJob:
-    return TransferJob(job_id, keys, np.array(chunk_ids, dtype=np.int64), promotion, REQ)  # type: ignore[arg-type]
-
-
-def wait_jobs(tier: KVStoreTier, expected: set[int], timeout: float = 30) -> dict[int, JobResult]:
-    seen: dict[int, JobResult] = {}
-    deadline = time.monotonic() + timeout
-    while set(seen) != expected and time.monotonic() < deadline:
-        for result in tier.get_finished_jobs():
-            assert result.job_id not in seen, "a job was reported twice"
-            seen[result.job_id] = result
-        time.sleep(0.01)
-    assert set(seen) == expected
-    return seen
+from tests.connector.tier_jobs import CHUNK, REQ, data, job, okey, wait_jobs
 
 
 @pytest.fixture

