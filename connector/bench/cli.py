@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -14,14 +13,12 @@ from rich.table import Table
 
 from kvstore.admin.cli_common import (
     EXIT_CONFIG,
-    EXIT_UNAVAILABLE,
     console,
     err,
     finite_seconds,
     settings_or_exit,
     store_or_exit,
 )
-from kvstore.errors import KVStoreError
 
 __all__ = ["bench_app"]
 
@@ -63,55 +60,21 @@ def bench_tiers(
 ) -> None:
     """Our tier against vLLM's fs tier through vLLM's tier API: store and cold load (page cache dropped),
     the object path of a new node against raw GETs, the raw disk, and the codecs."""
-    import time
-
     from kvstore.connector.bench.codecs import bench_codecs
+    from kvstore.connector.bench.target import bench_target, environment
     from kvstore.connector.bench.tiers import run_tiers_bench
-    from kvstore.runtime import EMBEDDED_BUCKET, open_object_store
 
-    settings = settings_or_exit()
-    run_prefix = f"bench-tiers-{time.time_ns()}"
-    store, server = open_object_store(settings, subprefix=run_prefix)
-    if server is not None:
-        store_url = f"s3://{EMBEDDED_BUCKET}/{run_prefix}"
-        s3 = {"endpoint": server.endpoint, "access_key": server.access_key, "secret_key": server.secret_key}
-    else:
-        store_url = f"{settings.local_store_url.rstrip('/')}/{run_prefix}"
-        s3 = {
-            "endpoint": settings.s3_endpoint or "",
-            "access_key": settings.access_key.get_secret_value() if settings.access_key else "",
-            "secret_key": settings.secret_key.get_secret_value() if settings.secret_key else "",
-        }
-    is_s3 = store_url.startswith("s3://")
-    if is_s3:
-        bucket, _, prefix = store_url[len("s3://") :].partition("/")
-        s3.update(bucket=bucket, prefix=prefix)
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
-    if server is not None:  # the tier reads its credentials like any vLLM process: from the environment
-        os.environ.update(AWS_ACCESS_KEY_ID=server.access_key, AWS_SECRET_ACCESS_KEY=server.secret_key)
-    try:
+    with bench_target(settings_or_exit(), "tiers") as target, environment(target.env):
         report = run_tiers_bench(
             sizes=[int(s) * 1024 for s in sizes.split(",")],
             total_bytes=total_mib << 20,
             rounds=rounds,
             chunks_per_job=chunks_per_job,
-            object_store_url=store_url if is_s3 else None,
-            s3=s3 if is_s3 else None,
+            target=target,
             object_bytes=object_mib << 20,
             workers=workers,
             progress=lambda msg: console.print(f"[dim]... {msg}[/dim]"),
         )
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        with contextlib.suppress(KVStoreError):
-            store.delete_many([info.key for info in store.list()])
-        store.close()
-        if server is not None:
-            server.stop()
     codecs = bench_codecs()
     disk = report.disk
     if disk is not None:
@@ -244,53 +207,26 @@ def bench_vllm(
     output: Annotated[Path, typer.Option(help="JSON results file")] = Path("bench-results/vllm.json"),
 ) -> None:
     """TTFT: recompute vs vLLM's fs tier vs our tier (NVMe hit, object only); scheduler-thread cost."""
-    import time
-
     from kvstore.connector.bench.engines import bench_scheduler, bench_ttft
-    from kvstore.runtime import EMBEDDED_BUCKET, open_object_store
+    from kvstore.connector.bench.target import bench_target, environment
 
-    settings = settings_or_exit()
-    # Everything this benchmark writes goes under a prefix of its own, deleted at the end.
-    run_prefix = f"bench-vllm-{time.time_ns()}"
-    store, server = open_object_store(settings, subprefix=run_prefix)
-    endpoint: str | None
-    if server is not None:
-        store_url, endpoint = f"s3://{EMBEDDED_BUCKET}/{run_prefix}", server.endpoint
-        env = {"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key}
-    else:
-        store_url = f"{settings.local_store_url.rstrip('/')}/{run_prefix}"
-        endpoint, env = settings.s3_endpoint, {}
-    try:
+    with bench_target(settings_or_exit(), "vllm") as target:
         report = bench_ttft(
-            store_url,
-            endpoint,
-            env,
+            target.store_url,
+            target.endpoint,
+            dict(target.env),
             words=words,
             prompts=prompts,
             progress=lambda msg: console.print(f"[dim]... {msg}[/dim]"),
         )
         console.print("[dim]... scheduler-thread cost[/dim]")
-        import os
-
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with environment(target.env):
             for interval, loads in ((0.0, True), (0.02, True), (0.02, False)):
                 report.scheduler.append(
-                    bench_scheduler(store_url, endpoint, steps=steps, step_interval_s=interval, loads=loads)
+                    bench_scheduler(
+                        target.store_url, target.endpoint, steps=steps, step_interval_s=interval, loads=loads
+                    )
                 )
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-    finally:
-        with contextlib.suppress(KVStoreError):
-            store.delete_many([info.key for info in store.list()])
-        store.close()
-        if server is not None:
-            server.stop()
     table = Table(
         title=f"kvstore bench vllm: TTFT of a {report.prompt_tokens}-token prompt "
         f"(median of {report.prompts}, tiny model, CPU backend)"
@@ -346,20 +282,18 @@ def bench_multiturn(
     """Multi-turn chat throughput through a real vLLM OpenAI server: no offloading vs CPU tier vs CPU + vLLM's
     fs tier vs CPU + our tier, swept over the number of concurrent conversations (table, JSON, PNG)."""
     import tempfile
-    import time
 
     from rich.progress import Progress
 
     from kvstore.connector.bench.multiturn import (
         Sizing,
-        StoreTarget,
         model_kv_bytes_per_token,
         run_multiturn,
         write_outputs,
     )
+    from kvstore.connector.bench.target import bench_target
     from kvstore.connector.harness.multiturn import Workload
     from kvstore.connector.harness.tiny_model import build_tiny_model
-    from kvstore.runtime import EMBEDDED_BUCKET, open_object_store
 
     try:
         counts = [int(c) for c in (("4,16" if quick else conversations).split(","))]
@@ -370,26 +304,13 @@ def bench_multiturn(
     workload = Workload(0, context_tokens, turn_tokens, turns, output_tokens, concurrency)
     longest = context_tokens + (turns - 1) * (turn_tokens + output_tokens + 32) + output_tokens + 64
     settings = settings_or_exit()
-    store = server = None
-    target = None
     # Our tier writes under a prefix of its own, deleted at the end.
-    run_prefix = f"bench-multiturn-{time.time_ns()}"
-    if "cpu+ours" in method_list:
-        try:
-            store, server = open_object_store(settings, subprefix=run_prefix)
-        except KVStoreError as exc:
-            err.print(f"[red]benchmark failed:[/red] {exc}")
-            raise typer.Exit(EXIT_UNAVAILABLE) from None
-        if server is not None:
-            credentials = {"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key}
-            target = StoreTarget(
-                f"s3://{EMBEDDED_BUCKET}/{run_prefix}", server.endpoint, credentials, server.pid
-            )
-        else:
-            assert isinstance(settings.store_url, str), "a multi-region store_url is not supported here"
-            target = StoreTarget(f"{settings.store_url.rstrip('/')}/{run_prefix}", settings.s3_endpoint)
+    needs_store = "cpu+ours" in method_list
     try:
-        with tempfile.TemporaryDirectory(prefix="kvstore-bench-multiturn-model-") as tmp:
+        with (
+            bench_target(settings, "multiturn") if needs_store else contextlib.nullcontext() as target,
+            tempfile.TemporaryDirectory(prefix="kvstore-bench-multiturn-model-") as tmp,
+        ):
             model_dir = model or build_tiny_model(Path(tmp) / "tiny-llama")
             sizing = Sizing(
                 engine_kv_bytes=engine_kv_mib * 2**20,
@@ -421,13 +342,6 @@ def bench_multiturn(
     except ValueError as exc:
         err.print(f"[red]bad arguments:[/red] {exc}")
         raise typer.Exit(EXIT_CONFIG) from None
-    finally:
-        if store is not None:
-            with contextlib.suppress(KVStoreError):
-                store.delete_many([info.key for info in store.list()])
-            store.close()
-        if server is not None:
-            server.stop()
     footprint = report.conversation_tokens
     title = (
         f"kvstore bench multiturn: {context_tokens}-token context + {turn_tokens} tokens x {turns} turns, "

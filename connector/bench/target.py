@@ -1,0 +1,86 @@
+"""Where a benchmark's tier writes: a private prefix of the configured store, or of the embedded S3 server
+when none is configured, which the benchmark removes at its end (it never touches real cache data)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from kvstore.config import Settings
+from kvstore.errors import KVStoreError
+from kvstore.runtime import EMBEDDED_BUCKET, open_object_store
+
+__all__ = ["StoreTarget", "bench_target", "environment"]
+
+
+@dataclass(frozen=True)
+class StoreTarget:
+    """A store URL under a private prefix, its S3 endpoint, what a tier's process needs in its environment
+    (empty: the caller's own), and the keys a baseline's raw client signs with."""
+
+    store_url: str
+    endpoint: str | None
+    env: Mapping[str, str] = field(default_factory=dict)
+    server_pid: int | None = None  # a local S3 server's process, to account its CPU time
+    access_key: str = ""
+    secret_key: str = ""
+
+    @property
+    def is_s3(self) -> bool:
+        return self.store_url.startswith("s3://")
+
+    @property
+    def bucket_and_prefix(self) -> tuple[str, str]:
+        bucket, _, prefix = self.store_url.removeprefix("s3://").partition("/")
+        return bucket, prefix
+
+
+@contextlib.contextmanager
+def bench_target(settings: Settings, name: str) -> Iterator[StoreTarget]:
+    """A fresh prefix `bench-<name>-<ns>` of the configured store; its objects are deleted at the end and an
+    embedded server this started is stopped."""
+    run_prefix = f"bench-{name}-{time.time_ns()}"
+    store, server = open_object_store(settings, subprefix=run_prefix)
+    try:
+        if server is not None:
+            credentials = {"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key}
+            yield StoreTarget(
+                f"s3://{EMBEDDED_BUCKET}/{run_prefix}",
+                server.endpoint,
+                credentials,
+                server.pid,
+                server.access_key,
+                server.secret_key,
+            )
+        else:
+            yield StoreTarget(
+                f"{settings.local_store_url.rstrip('/')}/{run_prefix}",
+                settings.s3_endpoint,
+                access_key=settings.access_key.get_secret_value() if settings.access_key else "",
+                secret_key=settings.secret_key.get_secret_value() if settings.secret_key else "",
+            )
+    finally:
+        with contextlib.suppress(KVStoreError):  # best effort: a store gone down keeps its leftovers
+            store.delete_many([info.key for info in store.list()])
+        store.close()
+        if server is not None:
+            server.stop()
+
+
+@contextlib.contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """`values` in `os.environ` for the block (a tier in this process reads its credentials from there, like
+    any vLLM process), the previous values back afterwards."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
