@@ -1,9 +1,9 @@
 """The node-local NVMe cache of chunks: ``NVMeCache`` plus its value types, fsck report and index rebuild."""
 
 from kvstore.cache.fsck import FsckReport, RebuildReport, rebuild_index
-from kvstore.cache.index import Backlog
 from kvstore.cache.lmdb_env import SCHEMA_VERSION
-from kvstore.cache.nvme import CachedChunk, CacheUsage, NVMeCache, ReadResult, ReadStatus, StagedFile
+from kvstore.cache.nvme import NVMeCache
+from kvstore.cache.records import Backlog, CachedChunk, CacheUsage, ReadResult, ReadStatus, StagedFile
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.cache.files import CHUNKS_DIR, ChunkFiles
-from kvstore.cache.index import CacheIndex, Entry
+from kvstore.cache.index import CacheIndex
 from kvstore.cache.lmdb_env import INDEX_DIR
+from kvstore.cache.records import Entry
 from kvstore.chunk import HEADER_BLOCK, ChunkHeader, parse_header, verify
 from kvstore.errors import ChunkError
 

@@ -24,7 +24,8 @@ Sub-databases (keys are the chunk key's UTF-8 bytes unless stated):
              ``uploads`` inside every write transaction: ``used_bytes``, ``entries``, ``upload_bytes``,
              ``upload_entries``.
 
-Opening the environment (once per process, its schema and data file checked) is ``lmdb_env.py``'s job.
+Opening the environment (once per process, its schema and data file checked) is ``lmdb_env.py``'s job; the
+values stored and returned are in ``records.py``.
 """
 
 from __future__ import annotations
@@ -33,90 +34,24 @@ import os
 import struct
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import lmdb
 
 from kvstore.cache.lmdb_env import DEFAULT_MAP_SIZE, INDEX_DIR, Shared, acquire, release, translate
-from kvstore.errors import CacheClosed, CacheError
+from kvstore.cache.records import Admission, Backlog, Entry, encode_key
+from kvstore.errors import CacheClosed
 
-STATE_READY = 1
-MAX_KEY_BYTES = 500  # LMDB's key limit is 511 bytes and LRU keys carry an 8-byte prefix
 # Eviction passes over at most this many chunks that still wait for upload to find uploaded ones: bounded
 # work per admission, and under a long outage (everything waits) plain LRU order again.
 _UPLOAD_LOOKAHEAD = 256
 
-_ENTRY = struct.Struct("<Q16sQ8sBBQQ")
 _U64 = struct.Struct("<Q")
 _TS = struct.Struct(">Q")  # big-endian so LMDB's byte order is time order
 _USED_KEY = b"used_bytes"
 _COUNT_KEY = b"entries"
 _UPLOAD_BYTES_KEY = b"upload_bytes"
 _UPLOAD_COUNT_KEY = b"upload_entries"
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One cached chunk as the index records it."""
-
-    size: int
-    checksum: bytes
-    last_access_ns: int
-    token: bytes
-    state: int = STATE_READY
-    codec: int = 0
-    raw_length: int = 0
-    queued_ns: int = 0  # when it was queued for upload; 0 when nothing is left to upload
-
-    @property
-    def pending_upload(self) -> bool:
-        return self.queued_ns != 0
-
-    def pack(self) -> bytes:
-        return _ENTRY.pack(
-            self.size,
-            self.checksum,
-            self.last_access_ns,
-            self.token,
-            self.state,
-            self.codec,
-            self.raw_length,
-            self.queued_ns,
-        )
-
-    @classmethod
-    def unpack(cls, raw: bytes) -> Entry:
-        return cls(*_ENTRY.unpack(raw))
-
-
-@dataclass(frozen=True)
-class Backlog:
-    """Chunks waiting for upload on this node (every process's)."""
-
-    chunks: int
-    bytes: int
-    oldest_queued_ns: int  # 0 when empty
-
-
-@dataclass(frozen=True)
-class Admission:
-    """The outcome of ``CacheIndex.admit``; ``victims``: (key, entry) whose files the caller must unlink;
-    ``uploading``: the victims an uploader held a claim on (their upload may still finish)."""
-
-    admitted: bool
-    victims: tuple[tuple[str, Entry], ...] = ()
-    uploading: frozenset[str] = frozenset()
-
-
-def encode_key(key: str) -> bytes:
-    if not isinstance(key, str) or not key:
-        raise CacheError(f"cache key must be a non-empty str, got {key!r}")
-    raw = key.encode()
-    if len(raw) > MAX_KEY_BYTES:
-        raise CacheError(
-            f"cache key is {len(raw)} bytes, longer than the {MAX_KEY_BYTES}-byte limit: {key[:80]!r}..."
-        )
-    return raw
 
 
 def _lru_key(ts: int, key: bytes) -> bytes:

@@ -36,14 +36,23 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
-from enum import Enum
+from dataclasses import replace
 from types import TracebackType
 
 from kvstore.cache.files import ChunkFiles, new_token
 from kvstore.cache.fsck import FsckReport, check
-from kvstore.cache.index import Backlog, CacheIndex, Entry, encode_key
+from kvstore.cache.index import CacheIndex
 from kvstore.cache.lmdb_env import DEFAULT_MAP_SIZE
+from kvstore.cache.records import (
+    Backlog,
+    CachedChunk,
+    CacheUsage,
+    Entry,
+    ReadResult,
+    ReadStatus,
+    StagedFile,
+    encode_key,
+)
 from kvstore.chunk import (
     HEADER_BLOCK,
     Buffer,
@@ -63,56 +72,7 @@ from kvstore.errors import CacheError, ChunkCorrupt, ChunkError, ChunkUnreadable
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class CachedChunk:
-    """Where a cached chunk lies and what its index entry vouches for. The file can still vanish before
-    it is read (another process evicted it): ``read_into`` then answers GONE."""
-
-    key: str
-    path: str
-    size: int
-    checksum: bytes
-    codec: int
-    raw_length: int
-    pending_upload: bool = False
-
-
-@dataclass(frozen=True)
-class CacheUsage:
-    used_bytes: int
-    budget_bytes: int
-    entries: int
-    pinned_entries: int
-
-
-class ReadStatus(Enum):
-    OK = "ok"
-    GONE = "gone"  # the file vanished: another process evicted it, or it was lost
-    CORRUPT = "corrupt"  # proven damage (checksum, truncation, key): the copy should be discarded
-    UNREADABLE = "unreadable"  # not for this reader (another buffer size, unknown codec): left alone
-    FAILED = "failed"  # an I/O error; nothing is known about the copy
-
-
-@dataclass(frozen=True)
-class ReadResult:
-    status: ReadStatus
-    detail: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status is ReadStatus.OK
-
-
 _OK = ReadResult(ReadStatus.OK)
-
-
-@dataclass(frozen=True)
-class StagedFile:
-    """A chunk file written by ``write_file`` and not committed yet: nobody's until ``commit``."""
-
-    key: str
-    entry: Entry
-    path: str
 
 
 class NVMeCache:

@@ -8,7 +8,8 @@ import lmdb
 import pytest
 
 from kvstore.cache import SCHEMA_VERSION, NVMeCache
-from kvstore.cache.index import MAX_KEY_BYTES, Backlog, CacheIndex, Entry, encode_key
+from kvstore.cache.index import CacheIndex
+from kvstore.cache.records import MAX_KEY_BYTES, Backlog, Entry, encode_key
 from kvstore.errors import CacheError
 
 

@@ -331,7 +331,8 @@ def test_contains_many_over_a_large_index(cache_dir: Path) -> None:
 
 def _bulk_fill(cache: NVMeCache, n: int) -> None:
     """Index entries without files, in one transaction (only contains_many is exercised)."""
-    from kvstore.cache.index import Entry, _lru_key
+    from kvstore.cache.index import _lru_key
+    from kvstore.cache.records import Entry
 
     s = cache._index._db()
     with s.env.begin(write=True) as txn:
