@@ -1,4 +1,5 @@
-"""The key scheme of the vLLM engine this process runs: its `NONE_HASH`, read from vLLM, as a `KeyScheme`.
+"""The key scheme of the vLLM engine this process runs: its `NONE_HASH`, read from vLLM, as a `KeyScheme`,
+and its record beside the namespace in the bucket.
 
 The engine core derives `NONE_HASH` from the seed just after it builds the scheduler (and so our tier), so
 the tier reads it once it is set (`wait_for_engine_scheme`, on a thread of its own). The tier never sees the
@@ -9,15 +10,24 @@ computes, random per process unless PYTHONHASHSEED is set.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import threading
 
+from kvstore.errors import StoreError
 from kvstore.hashing import DEFAULT_HASH_ALGO, SUPPORTED_HASH_ALGOS, none_hash, resolve_seed
-from kvstore.key_scheme import KeyScheme, scheme_for, seed_fingerprint
+from kvstore.key_scheme import KeyScheme, namespace_schemes, record_scheme, scheme_for, seed_fingerprint
+from kvstore.keys import Namespace
+from kvstore.stores import ObjectStore
 
-__all__ = ["engine_scheme", "wait_for_engine_scheme"]
+__all__ = ["engine_scheme", "publish_namespace", "wait_for_engine_scheme"]
+
+log = logging.getLogger(__name__)
 
 _POLL_S = 0.02
+# vLLM sets NONE_HASH just after building the scheduler (and the tier); a tier built elsewhere never sees it.
+_NONE_HASH_WAIT_S = 120.0
 
 
 def engine_scheme() -> tuple[KeyScheme, bool]:
@@ -49,3 +59,49 @@ def wait_for_engine_scheme(timeout_s: float, stop: threading.Event) -> tuple[Key
         if from_engine or deadline <= 0 or stop.wait(_POLL_S):
             return scheme, from_engine
         deadline -= _POLL_S
+
+
+def publish_namespace(store: ObjectStore, namespace: Namespace, stop: threading.Event) -> KeyScheme | None:
+    """Describe `namespace` in the bucket once, like vLLM's fs tier writes its config.json; once vLLM has
+    set NONE_HASH, record this engine's key scheme beside it and warn when its keys can never be shared: a
+    random per-process seed, or engines with other seeds already writing the namespace. The engine's
+    scheme, or None outside an engine (a tier built by tools or tests has no scheme of its own to record).
+    """
+    try:
+        body = json.dumps(namespace.fields(), indent=2, sort_keys=True).encode()
+        store.put_if_absent(namespace.config_key, body)
+    except StoreError as exc:
+        log.warning("could not write %s: %s", namespace.config_key, exc)
+    scheme, from_engine = wait_for_engine_scheme(_NONE_HASH_WAIT_S, stop)
+    if not from_engine:
+        return None
+    if not scheme.shareable:
+        log.warning(
+            "KVStoreTier: this engine's block hashes use a random per-process seed (xxhash without "
+            "PYTHONHASHSEED): no other instance, restart, pin or warm run will ever compute its keys, so "
+            "nothing it stores can be shared. Use --prefix-caching-hash-algo sha256, or set the same "
+            "PYTHONHASHSEED on every instance."
+        )
+    try:
+        record_scheme(store, namespace, scheme)
+        others = [
+            s for s in namespace_schemes(store, namespace) if s.seed_fingerprint != scheme.seed_fingerprint
+        ]
+    except StoreError as exc:
+        log.warning("could not describe namespace %s in the bucket: %s", namespace.id, exc)
+        return scheme
+    if others:
+        log.warning(
+            "KVStoreTier: %d other key scheme(s) already write namespace %s (%s); this engine's keys "
+            "(%s) never match theirs, so neither side reuses the other's chunks. Give every engine the "
+            "same --prefix-caching-hash-algo and PYTHONHASHSEED.",
+            len(others),
+            namespace.id,
+            ", ".join(_describe(s) for s in others),
+            _describe(scheme),
+        )
+    return scheme
+
+
+def _describe(scheme: KeyScheme) -> str:
+    return f"{scheme.hash_algo or 'xxhash family'}/{scheme.seed_fingerprint}"

@@ -56,13 +56,13 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvstore.access import AccessRecorder
 from kvstore.config import load_settings
-from kvstore.connector.engine_keys import engine_scheme, wait_for_engine_scheme
+from kvstore.connector.engine_keys import engine_scheme, publish_namespace
 from kvstore.connector.jobs import JobThreads
 from kvstore.connector.tier_events import parse_locality, to_vllm_events
 from kvstore.connector.tier_metrics import BackgroundStats, TierStats, metric_definitions
 from kvstore.engine import Presence, TieredStore
-from kvstore.errors import ConfigError, StoreError
-from kvstore.key_scheme import KeyScheme, namespace_schemes, record_scheme
+from kvstore.errors import ConfigError
+from kvstore.key_scheme import KeyScheme
 from kvstore.keys import Namespace
 from kvstore.metrics import EngineMetrics
 from kvstore.pin_sync import PinSyncLoop
@@ -466,6 +466,11 @@ class KVStoreTier(SecondaryTierManager):
             )
         return results
 
+    def _publish_namespace(self) -> None:
+        scheme = publish_namespace(self._node.store, self.namespace, self._stopping)
+        if scheme is not None:
+            self._scheme = scheme
+
     def _with_slots(
         self, jobs: Sequence[TransferJob]
     ) -> tuple[list[tuple[TransferJob, list[tuple[str, memoryview]]]], list[JobResult]]:
@@ -487,52 +492,6 @@ class KVStoreTier(SecondaryTierManager):
             runnable.append((job, items))
         return runnable, failed
 
-    def _publish_namespace(self) -> None:
-        """Describe the namespace in the bucket once, like vLLM's fs tier writes its config.json; once vLLM
-        has set NONE_HASH, record this engine's key scheme beside it and warn when its keys can never be
-        shared: a random per-process seed, or engines with other seeds already writing the namespace."""
-        import json
-
-        try:
-            body = json.dumps(self.namespace.fields(), indent=2, sort_keys=True).encode()
-            self._node.store.put_if_absent(self.namespace.config_key, body)
-        except StoreError as exc:
-            log.warning("could not write %s: %s", self.namespace.config_key, exc)
-        scheme, from_engine = wait_for_engine_scheme(_NONE_HASH_WAIT_S, self._stopping)
-        if not from_engine:  # a tier outside an engine has no scheme of its own to record
-            return
-        self._scheme = scheme
-        if not scheme.shareable:
-            log.warning(
-                "KVStoreTier: this engine's block hashes use a random per-process seed (xxhash without "
-                "PYTHONHASHSEED): no other instance, restart, pin or warm run will ever compute its keys, so "
-                "nothing it stores can be shared. Use --prefix-caching-hash-algo sha256, or set the same "
-                "PYTHONHASHSEED on every instance."
-            )
-        try:
-            record_scheme(self._node.store, self.namespace, scheme)
-            others = [
-                s
-                for s in namespace_schemes(self._node.store, self.namespace)
-                if s.seed_fingerprint != scheme.seed_fingerprint
-            ]
-        except StoreError as exc:
-            log.warning("could not describe namespace %s in the bucket: %s", self.namespace.id, exc)
-            return
-        if others:
-            log.warning(
-                "KVStoreTier: %d other key scheme(s) already write namespace %s (%s); this engine's keys "
-                "(%s) never match theirs, so neither side reuses the other's chunks. Give every engine the "
-                "same --prefix-caching-hash-algo and PYTHONHASHSEED.",
-                len(others),
-                self.namespace.id,
-                ", ".join(_describe(s) for s in others),
-                _describe(scheme),
-            )
-
-
-# vLLM sets NONE_HASH just after building the scheduler (and this tier); a tier built elsewhere never sees it.
-_NONE_HASH_WAIT_S = 120.0
 
 _CONFIG_INFO_KEYS = (
     "kvstore_namespace",
@@ -544,10 +503,6 @@ _CONFIG_INFO_KEYS = (
     "kvstore_keys_shareable",
     "kvstore_gil_switch_interval_s",
 )
-
-
-def _describe(scheme: KeyScheme) -> str:
-    return f"{scheme.hash_algo or 'xxhash family'}/{scheme.seed_fingerprint}"
 
 
 def _is_cpu_spec(spec: object) -> bool:
