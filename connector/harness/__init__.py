@@ -2,7 +2,8 @@
 
 - `tiny_model`: builds a small local model (no model hub here);
 - `vllm_server`: a vLLM OpenAI server as a subprocess, stopped with everything it leaves in /dev/shm and /tmp;
-- `engine_runner`: an in-process vLLM engine whose KV blocks can be read back and compared;
+- `engine_runner`: a vLLM engine in a subprocess (`engine_child`), whose KV blocks can be read back and
+  compared;
 - `standalone`: the tier outside an engine, on a primary region of our own, through vLLM's tier API;
 - `multiturn`: the multi-turn chat replay the demo and `kvstore bench multiturn` send.
 """
