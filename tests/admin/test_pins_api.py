@@ -21,6 +21,7 @@ from kvstore.keys import KVCacheGroup, Namespace
 from kvstore.prompts import tokens_from_messages, tokens_from_prompt
 from kvstore.runtime import Node
 from tests.admin.vllm_standin import SECRET_ANSWER, VLLMStandIn
+from tests.helpers import wait_job
 
 NS = Namespace(
     model_name="org/tiny", tokens_per_hash=16, dtype="bfloat16", kv_cache_groups=(KVCacheGroup(16, ("l0",)),)
@@ -242,13 +243,3 @@ def test_pinned_chunks_survive_eviction_pressure_and_gc(
     uploaded = 128 - int(lost)
     assert (report["kept_pinned"], report["deleted"], report["kept_young"]) == (4, uploaded, 0)
     assert all(node.store.exists_many(pinned)) and not any(node.store.exists_many(others))
-
-
-def wait_job(client: TestClient, job_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        body: dict[str, Any] = client.get(f"/v1/jobs/{job_id}").json()
-        if body["status"] in ("done", "failed", "cancelled"):
-            return body
-        time.sleep(0.05)
-    raise AssertionError(f"job {job_id} did not finish")

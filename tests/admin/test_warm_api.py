@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from kvstore.pins import get_pin
 from kvstore.prompts import tokens_from_prompt
 from kvstore.runtime import Node
 from tests.admin.vllm_standin import SECRET_ANSWER, VLLMStandIn
+from tests.helpers import wait_job
 
 pytestmark = pytest.mark.integration
 
@@ -50,18 +50,6 @@ def nodes(
 @pytest.fixture
 def client(nodes: tuple[Node, Node]) -> TestClient:
     return TestClient(create_app(nodes[1]), headers=AUTH)
-
-
-def wait_job(client: TestClient, job_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        r = client.get(f"/v1/jobs/{job_id}")
-        assert r.status_code == 200, r.text
-        body: dict[str, Any] = r.json()
-        if body["status"] in ("done", "failed", "cancelled"):
-            return body
-        time.sleep(0.05)
-    raise AssertionError(f"job {job_id} did not finish")
 
 
 def test_warm_job_prefetches_and_pins(client: TestClient, nodes: tuple[Node, Node]) -> None:
@@ -109,26 +97,27 @@ def vllm(tmp_path: Path) -> Any:
     standin.close()
 
 
+@pytest.fixture
 def served_client(
-    open_test_node: Callable[..., Node], s3_server: Any, s3_store: Any, tmp_path: Path, *urls: str
-) -> TestClient:
-    url = f"s3://{s3_store.bucket}/{s3_store.prefix}"
-    node = open_test_node(
-        s3_server, url, cache_dir=tmp_path / "served", admin_token="s3cret", vllm_urls=list(urls)
-    )
-    return TestClient(create_app(node), headers=AUTH)
+    open_test_node: Callable[..., Node], s3_server: Any, s3_store: Any, tmp_path: Path
+) -> Callable[..., TestClient]:
+    """A client of an admin node whose operator configured these vLLM endpoints (`vllm_urls`)."""
+
+    def make(*urls: str, name: str = "served") -> TestClient:
+        url = f"s3://{s3_store.bucket}/{s3_store.prefix}"
+        node = open_test_node(
+            s3_server, url, cache_dir=tmp_path / name, admin_token="s3cret", vllm_urls=list(urls)
+        )
+        return TestClient(create_app(node), headers=AUTH)
+
+    return make
 
 
 def test_missing_chunks_are_produced_by_the_configured_engine(
-    nodes: tuple[Node, Node],
-    vllm: VLLMStandIn,
-    open_test_node: Callable[..., Node],
-    s3_server: Any,
-    s3_store: Any,
-    tmp_path: Path,
+    nodes: tuple[Node, Node], vllm: VLLMStandIn, served_client: Callable[..., TestClient]
 ) -> None:
     producer, _ = nodes
-    client = served_client(open_test_node, s3_server, s3_store, tmp_path, vllm.url)
+    client = served_client(vllm.url)
     prompt = "a returning user " * 40
     tokens = tokens_from_prompt(vllm.model_dir, prompt)
 
@@ -151,14 +140,9 @@ def test_missing_chunks_are_produced_by_the_configured_engine(
 
 
 def test_a_request_names_no_url_and_gets_no_answer_of_the_server(
-    nodes: tuple[Node, Node],
-    vllm: VLLMStandIn,
-    open_test_node: Callable[..., Node],
-    s3_server: Any,
-    s3_store: Any,
-    tmp_path: Path,
+    nodes: tuple[Node, Node], vllm: VLLMStandIn, served_client: Callable[..., TestClient]
 ) -> None:
-    client = served_client(open_test_node, s3_server, s3_store, tmp_path, vllm.url)
+    client = served_client(vllm.url)
     body = {"namespace": NS.id, "token_ids": list(range(2000, 2064))}
     refused = client.post("/v1/warm", json={**body, "vllm_url": "http://169.254.169.254/latest"})
     assert refused.status_code == 422 and "vllm_url" in refused.text
@@ -169,7 +153,7 @@ def test_a_request_names_no_url_and_gets_no_answer_of_the_server(
     assert SECRET_ANSWER not in json.dumps(failed)
 
     # An endpoint nobody listens on: the job fails and names it.
-    dead = served_client(open_test_node, s3_server, s3_store, tmp_path / "dead", "http://127.0.0.1:9")
+    dead = served_client("http://127.0.0.1:9", name="dead")
     job = wait_job(dead, dead.post("/v1/warm", json={**body, "timeout_s": 2}).json()["id"])
     assert job["status"] == "failed" and "http://127.0.0.1:9" in job["error"], job
 
