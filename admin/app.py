@@ -8,7 +8,8 @@ receive it through the dependencies of `kvstore.admin.deps`.
 With `events_endpoint` configured, GC jobs publish `BlockRemoved` for each deleted batch (`kvstore.events`).
 Library errors a route lets through still answer JSON: a `ConfigError` is the caller's input (422), any other
 `KVStoreError` a store or cache that cannot be used now (503); never an unexplained 500. Request size limits
-and JSON-safe validation errors (NaN, infinities) come from `kvstore.admin.limits`.
+and JSON-safe error answers (NaN, infinities, lone surrogates) come from `kvstore.admin.limits`. A path with a
+trailing slash is a 404, never a redirect (whose `Location` would follow the caller's `Host` header).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from fastapi import FastAPI, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from kvstore.admin import routes_gc, routes_jobs, routes_pins, routes_stats, routes_warm
 from kvstore.admin.jobs import JobRegistry
-from kvstore.admin.limits import BodyLimit, validation_error
+from kvstore.admin.limits import BodyLimit, http_error, safe_text, validation_error
 from kvstore.admin.openapi import errors
 from kvstore.admin.status import Refreshed, Snapshot
 from kvstore.errors import ConfigError, KVStoreError
@@ -71,7 +73,9 @@ def create_app(node: Node) -> FastAPI:
         if publisher is not None:
             publisher.close()
 
-    app = FastAPI(title="kvstore admin", version="0.1.0", lifespan=lifespan)
+    # No redirect from `/v1/pins/` to `/v1/pins`: Starlette builds its `Location` from the caller's `Host`
+    # header, which would let anyone make this service point elsewhere. A trailing slash is a 404.
+    app = FastAPI(title="kvstore admin", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
     # Read by the routes through `kvstore.admin.deps` (and `auth.require_token`), never directly.
     app.state.node = node
     token = node.settings.admin_token
@@ -83,12 +87,14 @@ def create_app(node: Node) -> FastAPI:
         app.include_router(routes.router)
     app.add_middleware(BodyLimit, max_bytes=node.settings.admin_max_body_bytes)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, http_error)
 
     @app.exception_handler(KVStoreError)
     def library_error(request: Request, exc: KVStoreError) -> JSONResponse:
+        detail = safe_text(str(exc))  # a message may quote input
         if isinstance(exc, ConfigError):
-            return JSONResponse({"detail": str(exc)}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
-        return JSONResponse({"detail": str(exc)}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
+            return JSONResponse({"detail": detail}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+        return JSONResponse({"detail": detail}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
 
     # The store is asked on a background thread; a request waits for it 1.5 s at most (see `status`).
     health = Refreshed(node.store.check, max_age_s=2.0, wait_s=HEALTH_WAIT_S, name="health")

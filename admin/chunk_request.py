@@ -6,6 +6,11 @@ Keys come from token ids, or from a prompt or chat messages that the serving eng
 with the algorithm and seed the namespace's engines record (`kvstore.key_scheme`): a request never names
 chunks its engines would not compute. Only the endpoints of the `vllm_urls` setting are called, and no file
 a request names is read. The request limits (`kvstore.admin.limits`) are checked before anything is hashed.
+
+Every string a request carries, nested ones in `messages` included, must be valid Unicode (a JSON
+`"\\ud800"` escape makes a lone surrogate, which can be neither stored nor answered), and the ones that name
+something (model, dtype, layer names, served model) are bounded and printable. Chunk keys must fit the NVMe
+cache's key limit, or no node could pin or cache them.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic.config import JsonDict
 
 from kvstore.admin.limits import check_tokens
@@ -23,7 +28,7 @@ from kvstore.errors import ConfigError
 from kvstore.hashing import DEFAULT_HASH_ALGO, chunk_keys
 from kvstore.key_scheme import KeyScheme, check_scheme
 from kvstore.keys import KVCacheGroup, Namespace
-from kvstore.pins import NAMESPACE_ID_PATTERN, load_namespace
+from kvstore.pins import NAMESPACE_ID_PATTERN, check_cache_keys, invalid_text, load_namespace
 from kvstore.runtime import Node
 from kvstore.vllm_api import ServedModel, VLLMError, find_served, tokenize_messages, tokenize_prompt
 
@@ -31,6 +36,7 @@ __all__ = [
     "PIN_NAME_SCHEMA",
     "TOKENIZE_TIMEOUT_S",
     "GroupIn",
+    "Label",
     "ModelName",
     "PinIn",
     "Prepared",
@@ -40,15 +46,29 @@ __all__ = [
 ]
 
 
+def _valid_text(value: str) -> str:
+    if invalid_text(value) is not None:
+        raise ValueError("must be valid Unicode text (no lone surrogates)")
+    return value
+
+
+# What names something (a dtype, a layer): printable (no control characters), valid Unicode, bounded.
+_PRINTABLE = r"^[^\x00-\x1f\x7f-\x9f]+$"
+Label = Annotated[str, Field(min_length=1, max_length=256, pattern=_PRINTABLE), AfterValidator(_valid_text)]
+# A model name becomes part of every chunk key: printable, and short enough for S3's key limit (the NVMe
+# cache's shorter one is checked on the keys themselves, `check_cache_keys`).
+ModelName = Annotated[
+    str, Field(min_length=1, max_length=200, pattern=_PRINTABLE), AfterValidator(_valid_text)
+]
+
+
 class GroupIn(BaseModel):
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     tokens_per_block: PositiveJsonInt
-    layer_names: list[str]
+    layer_names: list[Label] = Field(max_length=4096)
 
 
-# A model name becomes part of every chunk key: printable, and short enough for S3's key limit.
-ModelName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")]
 # Pin names as `kvstore.pins.validate_pin_name` accepts them (documented; the validator is what enforces).
 PIN_NAME_SCHEMA: JsonDict = {"type": "string", "pattern": r"^(?!\.\.?$)[A-Za-z0-9._-]{1,128}$"}
 
@@ -97,13 +117,15 @@ class PinIn(BaseModel):
     # `vllm_url` or a `model_path` (which this service no longer takes) is a 422, never silently ignored.
     model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_ONE_OF_EACH)
 
-    name: str = Field(json_schema_extra=PIN_NAME_SCHEMA)
-    namespace: str | None = Field(default=None, json_schema_extra={"pattern": f"^{NAMESPACE_ID_PATTERN}$"})
+    name: str = Field(max_length=128, json_schema_extra=PIN_NAME_SCHEMA)
+    namespace: str | None = Field(
+        default=None, max_length=213, json_schema_extra={"pattern": f"^{NAMESPACE_ID_PATTERN}$"}
+    )
     rank: NonNegativeJsonInt = 0
     model: ModelName | None = None
     tokens_per_hash: PositiveJsonInt | None = None
-    dtype: str | None = None
-    kv_cache_groups: list[GroupIn] = []
+    dtype: Label | None = None
+    kv_cache_groups: list[GroupIn] = Field(default=[], max_length=256)
     tp_size: PositiveJsonInt = 1
     pp_size: PositiveJsonInt = 1
     blocks_per_file: PositiveJsonInt = 1
@@ -115,6 +137,16 @@ class PinIn(BaseModel):
     add_generation_prompt: bool = False  # for `messages`: a pin wants the shared head, without one
     served_model: ModelName | None = None
     ttl_seconds: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        # Every string, `messages`' nested ones and the keys of objects included: none may reach a hash, the
+        # bucket or an answer (`kvstore.admin.limits` escapes the input a 422 echoes back).
+        where = invalid_text(data)
+        if where is not None:
+            raise ValueError(f"text at {where} is not valid Unicode (a lone surrogate?)")
+        return data
 
     @model_validator(mode="after")
     def _one_of_each(self) -> PinIn:
@@ -224,6 +256,7 @@ def prepare(body: PinIn, node: Node, http: httpx.Client, *, what: str) -> Prepar
     keys = chunk_keys(
         namespace, tokens, blocks_per_chunk=body.blocks_per_chunk, algo=scheme.hash_algo or DEFAULT_HASH_ALGO
     )
+    check_cache_keys(keys)
     if not keys:
         raise ConfigError(
             f"{len(tokens)} tokens make no full chunk "

@@ -1,5 +1,7 @@
 """What one admin request may cost: a body size limit (413) and token and chunk limits for pin and warm
-requests (422), plus the JSON-safe validation errors that keep odd numbers a 422.
+requests (422), plus JSON-safe error answers: a validation error echoes the input back, and neither an odd
+number (NaN, an infinity) nor text no UTF-8 encodes (a lone surrogate such as `"\\ud800"`) may turn it into a
+500.
 
 The limits come from the settings (`admin_max_body_bytes`, `admin_max_tokens`, `admin_max_chunks`), so a
 request's memory and time are bounded before any token is hashed: a chunk key costs one hash per block of
@@ -14,15 +16,16 @@ from typing import Any
 
 from fastapi import Request, status
 from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
 
-__all__ = ["BodyLimit", "check_tokens", "validation_error"]
+__all__ = ["BodyLimit", "check_tokens", "http_error", "json_safe", "safe_text", "validation_error"]
 
 
 class BodyLimit:
@@ -83,19 +86,40 @@ def check_tokens(
         )
 
 
-def _json_safe(value: Any) -> Any:
+def safe_text(text: str) -> str:
+    """`text`, with what UTF-8 cannot encode (lone surrogates) written as a `\\udXXX` escape instead."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode()
+    return text
+
+
+def json_safe(value: Any) -> Any:
+    """`value` (JSON-like) with whatever JSON or UTF-8 cannot carry made text: non-finite numbers as their
+    names, unencodable strings (values and keys) escaped."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # 'nan', 'inf', '-inf': JSON has no such numbers
+    if isinstance(value, str):
+        return safe_text(value)
     if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
+        return {json_safe(key): json_safe(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return [_json_safe(item) for item in value]
+        return [json_safe(item) for item in value]
     return value
 
 
 async def validation_error(request: Request, exc: Exception) -> JSONResponse:
     """FastAPI's 422 for invalid input, with the offending values made JSON-safe: its own handler echoes the
-    input back and fails to encode NaN or an infinity (a JSON `1e999`), turning a bad number into a 500."""
+    input back and fails to encode NaN, an infinity (a JSON `1e999`) or a lone surrogate, turning bad input
+    into a 500."""
     assert isinstance(exc, RequestValidationError)
-    detail = _json_safe(jsonable_encoder(exc.errors()))
+    detail = json_safe(jsonable_encoder(exc.errors()))
     return JSONResponse({"detail": detail}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """FastAPI's answer to an `HTTPException`, with its detail made JSON-safe (a message may quote input)."""
+    assert isinstance(exc, HTTPException)
+    safe = HTTPException(exc.status_code, json_safe(exc.detail), exc.headers)
+    return await http_exception_handler(request, safe)

@@ -7,6 +7,7 @@
   _meta/                                               everything that is not KV (META_PREFIX)
     layout.json                                        {"version": N}, the migrations' bucket version
     pins/<name>.json                                   pin manifests (kvstore.pins)
+    pin-deletes/<name>/<sha>                           who deletes which version of a manifest (kvstore.pins)
     access/<YYYYMMDDHH>/<node>-<pid>-<seq>.json.zst    which chunks a node used, and when (kvstore.access)
     leases/<name>.json                                 leases, e.g. the one GC holds (kvstore.lease)
     gc/reports/<time>-<token>.json                     a report per GC run (kvstore.gc)
@@ -29,6 +30,7 @@ __all__ = [
     "LAYOUT_KEY",
     "LEASE_PREFIX",
     "META_PREFIX",
+    "PIN_DELETE_PREFIX",
     "PIN_PREFIX",
     "is_chunk_key",
 ]
@@ -37,6 +39,7 @@ CONFIG_FILENAME = "config.json"
 META_PREFIX = "_meta/"
 LAYOUT_KEY = META_PREFIX + "layout.json"
 PIN_PREFIX = META_PREFIX + "pins/"
+PIN_DELETE_PREFIX = META_PREFIX + "pin-deletes/"
 ACCESS_PREFIX = META_PREFIX + "access/"
 LEASE_PREFIX = META_PREFIX + "leases/"
 GC_REPORT_PREFIX = META_PREFIX + "gc/reports/"

@@ -1,6 +1,10 @@
 """A node's pins follow the bucket's: `apply_pins` pins on this node's NVMe cache the chunk keys of every live
 manifest (`kvstore.pins`) and unpins the ones it pinned earlier that no manifest names any more, and
-`PinSyncLoop` repeats that on a thread, so a pin created anywhere reaches every node within one interval."""
+`PinSyncLoop` repeats that on a thread, so a pin created anywhere reaches every node within one interval.
+
+One bad manifest never holds back the others: an unreadable one is skipped (`kvstore.pins.list_pins`), and a
+key no cache can hold (longer than the index's key limit) is left out, logged with its manifest and counted
+(`PinSync.skipped`), while every other key is pinned."""
 
 from __future__ import annotations
 
@@ -14,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.cache.nvme import NVMeCache
-from kvstore.errors import ConfigError, KVStoreError
-from kvstore.pins import pinned_keys
+from kvstore.cache.records import MAX_KEY_BYTES, encode_key
+from kvstore.errors import CacheError, ConfigError, KVStoreError
+from kvstore.pins import list_pins
 from kvstore.stores.base import ObjectStore
 
 __all__ = ["PinSync", "PinSyncLoop", "apply_pins"]
@@ -32,6 +37,37 @@ class PinSync:
     pinned: int
     unpinned: int
     total: int
+    skipped: int = 0  # keys of live manifests this node cannot pin (too long for its index), each logged
+
+
+def _cacheable(key: str) -> bool:
+    try:
+        encode_key(key)
+    except CacheError:
+        return False
+    return True
+
+
+def _desired(store: ObjectStore) -> tuple[set[str], set[str]]:
+    """The keys of the live manifests that a cache can pin, and those it cannot (logged by manifest)."""
+    desired: set[str] = set()
+    skipped: set[str] = set()
+    for manifest in list_pins(store, include_expired=False):
+        bad = [k for k in manifest.keys if not _cacheable(k)]
+        if bad:
+            log.warning(
+                "pin %r: %d of its keys are longer than the NVMe cache's %d-byte key limit and are not "
+                "pinned on this node (e.g. %r...)",
+                manifest.name,
+                len(bad),
+                MAX_KEY_BYTES,
+                bad[0][:80],
+            )
+            skipped.update(bad)
+            desired.update(k for k in manifest.keys if k not in skipped)
+        else:
+            desired.update(manifest.keys)
+    return desired - skipped, skipped
 
 
 def apply_pins(cache: NVMeCache, store: ObjectStore) -> PinSync:
@@ -41,7 +77,7 @@ def apply_pins(cache: NVMeCache, store: ObjectStore) -> PinSync:
 
     Serialised across the node's processes by an flock; the record is replaced atomically after the LMDB
     commits, so a crash in between re-applies at most one run's delta on the next call."""
-    desired = pinned_keys(store)
+    desired, skipped = _desired(store)
     directory = Path(cache.directory)
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / (_APPLIED_FILE + ".lock"), "a+b") as lock:
@@ -55,7 +91,7 @@ def apply_pins(cache: NVMeCache, store: ObjectStore) -> PinSync:
             cache.unpin(to_unpin)
         if to_pin or to_unpin or not (directory / _APPLIED_FILE).exists():
             _save_applied(directory / _APPLIED_FILE, desired)
-    return PinSync(pinned=len(to_pin), unpinned=len(to_unpin), total=len(desired))
+    return PinSync(pinned=len(to_pin), unpinned=len(to_unpin), total=len(desired), skipped=len(skipped))
 
 
 class PinSyncLoop:

@@ -12,6 +12,7 @@ ids, which come from the engine's own tokenizer (`kvstore.vllm_api`) or a model 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -20,9 +21,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.errors import ConfigError, KVStoreError
+from kvstore.cache.records import MAX_KEY_BYTES, encode_key
+from kvstore.errors import CacheError, ConfigError, KVStoreError
 from kvstore.keys import Namespace
-from kvstore.layout import CONFIG_FILENAME, PIN_PREFIX
+from kvstore.layout import CONFIG_FILENAME, PIN_DELETE_PREFIX, PIN_PREFIX
 from kvstore.pin_fence import fenced_pin_write
 from kvstore.stores.base import ObjectStore
 
@@ -33,9 +35,11 @@ __all__ = [
     "PinManifest",
     "PinNotFound",
     "PinView",
+    "check_cache_keys",
     "create_pin",
     "delete_pin",
     "get_pin",
+    "invalid_text",
     "list_pins",
     "load_namespace",
     "pinned_keys",
@@ -50,7 +54,6 @@ _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 # enough that every chunk key below it stays within S3's 1024-byte key limit.
 NAMESPACE_ID_PATTERN = r"[^/\x00-\x1f\x7f]{1,200}_[0-9a-f]{12}"
 _NAMESPACE_ID_RE = re.compile(NAMESPACE_ID_PATTERN)
-# What `apply_pins` pinned on this node, so a later run can take back exactly its own pins.
 
 
 class PinNotFound(KVStoreError, LookupError):
@@ -70,6 +73,41 @@ def validate_pin_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name in (".", ".."):
         raise ConfigError(f"pin name {name!r} is invalid: use 1-128 characters from [A-Za-z0-9._-]")
     return name
+
+
+def invalid_text(value: Any) -> str | None:
+    """Where a JSON-like value holds text that UTF-8 cannot encode (a lone surrogate, which JSON's `\\ud800`
+    escape makes out of valid input): a path such as `messages[0].content`, or `None` if all text is valid.
+    Such text cannot be stored, hashed or answered, so it is refused on the way in."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:  # no recursion: a deeply nested request must not overflow the stack
+        path, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return path or "the value"
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                if isinstance(key, str) and invalid_text(key) is not None:
+                    return f"{path}.<a key>" if path else "<a key>"
+                stack.append((f"{path}.{key}" if path else str(key), sub))
+        elif isinstance(item, list | tuple):
+            stack.extend((f"{path}[{i}]", sub) for i, sub in enumerate(item))
+    return None
+
+
+def check_cache_keys(keys: Sequence[str]) -> None:
+    """`ConfigError` if a chunk key is too long for the NVMe cache's index (`MAX_KEY_BYTES`): such a key
+    could be neither pinned nor cached on any node, so a pin or warm request naming one is refused."""
+    for key in keys:
+        try:
+            encode_key(key)
+        except CacheError:
+            raise ConfigError(
+                f"chunk keys of this namespace are {len(key.encode())} bytes, longer than the NVMe cache's "
+                f"{MAX_KEY_BYTES}-byte key limit (a shorter model name makes shorter keys)"
+            ) from None
 
 
 def _manifest_key(name: str) -> str:
@@ -106,6 +144,9 @@ class PinManifest:
     def decode(cls, raw: bytes) -> PinManifest:
         try:
             doc = json.loads(raw)
+            where = invalid_text(doc)
+            if where is not None:
+                raise ValueError(f"text at {where} is not valid Unicode")
             expires = doc.get("expires_at")
             return cls(
                 name=validate_pin_name(doc["name"]),
@@ -139,6 +180,10 @@ def create_pin(
         raise ConfigError(
             f"{len(foreign)} keys do not belong to namespace {namespace.id}, e.g. {foreign[0]!r}"
         )
+    check_cache_keys(chunk_keys)
+    where = invalid_text(namespace.fields())
+    if where is not None:
+        raise ConfigError(f"namespace field {where} is not valid Unicode text")
     now = time.time()
     manifest = PinManifest(
         name=name,
@@ -195,11 +240,41 @@ def list_pins(store: ObjectStore, *, include_expired: bool = True) -> list[PinMa
     return [m for m in _iter_manifests(store) if include_expired or not m.expired(now)]
 
 
+# A delete that lost the claim on a manifest waits this long for the winner to remove it; a manifest still
+# there afterwards was left by a winner that died between its claim and its delete, and is removed anyway.
+_DELETE_WAIT_S = 5.0
+_CLAIM_KEEP_S = 86_400.0  # delete claims older than this are pruned
+
+
 def delete_pin(store: ObjectStore, name: str) -> None:
+    """Delete the manifest; `PinNotFound` if there is none, or if a concurrent delete of the same manifest
+    won: of racing deletes exactly one succeeds. Each claims the version it read, create-only, at
+    `_meta/pin-deletes/<name>/<sha>`; only the winner deletes (a manifest created later under the name is
+    another version, with a claim of its own)."""
     key = _manifest_key(name)
-    if store.get(key) is None:
+    raw = store.get(key)
+    if raw is None:
         raise PinNotFound(f"pin {name!r} not found")
+    claims = f"{PIN_DELETE_PREFIX}{name}/"
+    if not store.put_if_absent(f"{claims}{hashlib.sha256(raw).hexdigest()[:32]}", b""):
+        if _removed_within(store, key, raw, _DELETE_WAIT_S):
+            raise PinNotFound(f"pin {name!r} not found (a concurrent request deleted it)")
+        log.warning("pin %r: the delete that claimed it never finished; deleting it here", name)
     store.delete(key)
+    cutoff = time.time() - _CLAIM_KEEP_S
+    old = [info.key for info in store.list(claims) if info.last_modified < cutoff]
+    if old:
+        store.delete_many(old)
+
+
+def _removed_within(store: ObjectStore, key: str, raw: bytes, wait_s: float) -> bool:
+    """Whether the object at `key` stops holding `raw` (deleted or replaced) within `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while store.get(key) == raw:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def pinned_keys(store: ObjectStore) -> set[str]:

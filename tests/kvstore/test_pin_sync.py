@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -9,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from kvstore.cache.nvme import NVMeCache
+from kvstore.cache.records import MAX_KEY_BYTES
 from kvstore.hashing import chunk_keys
 from kvstore.keys import KVCacheGroup, Namespace
+from kvstore.layout import PIN_PREFIX
 from kvstore.pin_sync import PinSyncLoop, apply_pins
 from kvstore.pins import create_pin, delete_pin
 from kvstore.stores.base import ObjectStore
@@ -72,3 +76,29 @@ def test_pin_sync_loop_follows_the_bucket(s3_store: ObjectStore, cache: NVMeCach
         assert _until(lambda: all(cache.pinned(k) == 0 for k in keys))
     finally:
         loop.stop()
+
+
+def test_one_bad_manifest_or_key_never_fails_the_nodes_pins(
+    s3_store: ObjectStore, cache: NVMeCache, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A manifest written before pins were checked against the cache's key limit: one key is too long.
+    long = Namespace(model_name="\u20ac" * 200, tokens_per_hash=16, dtype="bfloat16")
+    too_long = chunk_keys(long, list(range(16)))
+    assert len(too_long[0].encode()) > MAX_KEY_BYTES
+    made = create_pin(s3_store, "long", NS, _keys(16))
+    doc = {**made.to_json(), "keys": [*made.keys, *too_long]}
+    s3_store.put(f"{PIN_PREFIX}long.json", json.dumps(doc).encode())
+    good = _keys(32, start=700)
+    create_pin(s3_store, "good", NS, good)
+    with caplog.at_level(logging.WARNING, logger="kvstore.pin_sync"):
+        sync = apply_pins(cache, s3_store)
+    assert (sync.pinned, sync.skipped, sync.total) == (3, 1, 3)
+    assert all(cache.pinned(k) == 1 for k in [*good, *made.keys])
+    assert "long" in caplog.text and f"{MAX_KEY_BYTES}-byte" in caplog.text
+    # Later pins apply as usual, and so does taking them back.
+    later = _keys(16, start=900)
+    create_pin(s3_store, "later", NS, later)
+    delete_pin(s3_store, "good")
+    again = apply_pins(cache, s3_store)
+    assert (again.pinned, again.unpinned, again.skipped) == (1, 2, 1)
+    assert cache.pinned(later[0]) == 1 and all(cache.pinned(k) == 0 for k in good)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import threading
 
 import pytest
 
+from kvstore import pins as pins_module
+from kvstore.cache.records import MAX_KEY_BYTES
 from kvstore.errors import ConfigError
 from kvstore.hashing import chunk_keys
 from kvstore.keys import KVCacheGroup, Namespace
+from kvstore.layout import PIN_DELETE_PREFIX, PIN_PREFIX
 from kvstore.pins import (
     NamespaceNotFound,
     PinExists,
@@ -84,3 +89,71 @@ def test_load_namespace(s3_store: ObjectStore) -> None:
     assert load_namespace(s3_store, NS.id, rank=1).chunk_key(b"\x00" * 36).startswith(f"{NS.id}_r1/")
     with pytest.raises(ConfigError):
         load_namespace(s3_store, "a/b")
+
+
+def _delete_racing(store: ObjectStore, name: str, n: int) -> list[str]:
+    """`delete_pin(store, name)` from `n` threads released at once: what each one got."""
+    barrier = threading.Barrier(n)
+    outcomes: list[str] = []
+
+    def delete() -> None:
+        barrier.wait()
+        try:
+            delete_pin(store, name)
+            outcomes.append("deleted")
+        except PinNotFound:
+            outcomes.append("not found")
+
+    threads = [threading.Thread(target=delete) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
+def test_racing_deletes_exactly_one_wins(s3_store: ObjectStore) -> None:
+    for round_ in range(5):
+        create_pin(s3_store, f"racy{round_}", NS, _keys(32))
+        outcomes = _delete_racing(s3_store, f"racy{round_}", 6)
+        assert sorted(outcomes) == ["deleted"] + ["not found"] * 5, outcomes
+    # A pin made again under a deleted name is a new version: deleting it works.
+    create_pin(s3_store, "racy0", NS, _keys(16))
+    delete_pin(s3_store, "racy0")
+    assert list_pins(s3_store) == []
+
+
+def test_a_delete_whose_winner_died_is_finished_by_the_next(
+    s3_store: ObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    create_pin(s3_store, "orphan", NS, _keys(16))
+    raw = s3_store.get(f"{PIN_PREFIX}orphan.json") or b""
+    # The claim of a delete that crashed before deleting.
+    s3_store.put(f"{PIN_DELETE_PREFIX}orphan/{hashlib.sha256(raw).hexdigest()[:32]}", b"")
+    monkeypatch.setattr(pins_module, "_DELETE_WAIT_S", 0.2)
+    delete_pin(s3_store, "orphan")
+    with pytest.raises(PinNotFound):
+        get_pin(s3_store, "orphan")
+
+
+def test_keys_too_long_for_the_node_cache_are_refused_naming_the_limit(s3_store: ObjectStore) -> None:
+    # 200 characters, three UTF-8 bytes each: the keys are over 600 bytes.
+    long = Namespace(model_name="\u20ac" * 200, tokens_per_hash=16, dtype="bfloat16")
+    keys = chunk_keys(long, list(range(32)))
+    with pytest.raises(ConfigError, match=f"{MAX_KEY_BYTES}-byte"):
+        create_pin(s3_store, "long", long, keys)
+    assert list_pins(s3_store) == []
+
+
+def test_manifests_with_invalid_text_are_skipped_by_every_reader(s3_store: ObjectStore) -> None:
+    create_pin(s3_store, "good", NS, _keys(32))
+    doc = json.loads(s3_store.get(f"{PIN_PREFIX}good.json") or b"")
+    doc.update(name="bad", keys=[*doc["keys"][:1], "\ud800.bin"])
+    s3_store.put(f"{PIN_PREFIX}bad.json", json.dumps(doc).encode())  # escaped: valid JSON, invalid text
+    assert [p.name for p in list_pins(s3_store)] == ["good"]
+    with pytest.raises(ConfigError, match="malformed"):
+        get_pin(s3_store, "bad")
+    delete_pin(s3_store, "bad")
+    bad_fields = Namespace(model_name="org/tiny", tokens_per_hash=16, dtype="bf\ud800")
+    with pytest.raises(ConfigError, match="Unicode"):
+        create_pin(s3_store, "p", bad_fields, chunk_keys(bad_fields, list(range(16))))
