@@ -11,7 +11,7 @@ import sys
 import typer
 
 from kvstore.admin import cli_gc, cli_node, cli_service
-from kvstore.admin.cli_common import EXIT_CONFIG, EXIT_UNAVAILABLE, err
+from kvstore.admin.cli_common import EXIT_CONFIG, EXIT_UNAVAILABLE, say
 from kvstore.admin.cli_pins import pin_app
 from kvstore.connector.bench.cli import bench_app
 from kvstore.errors import ConfigError, KVStoreError
@@ -35,13 +35,13 @@ def main() -> None:
     try:
         app()
     except ConfigError as exc:
-        err.print(f"[red]configuration error:[/red] {exc}")
+        say("configuration error", exc)
         sys.exit(EXIT_CONFIG)
     except KVStoreError as exc:  # a store or cache failure no command translated itself
-        err.print(f"[red]error:[/red] {exc}")
+        say("error", exc)
         sys.exit(EXIT_UNAVAILABLE)
     except OSError as exc:  # e.g. a directory on a read-only or full file system: a message, not a traceback
-        err.print(f"[red]error:[/red] {exc}")
+        say("error", exc)
         sys.exit(EXIT_UNAVAILABLE)
 
 

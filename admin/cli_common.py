@@ -1,6 +1,9 @@
 """What every `kvstore` command shares: the consoles, the exit codes, and settings, stores and nodes opened
 with their failures turned into a message and an exit code.
 
+Messages are printed with `say`, which styles only its label: what follows (an error's text, which may quote a
+path or a value with rich's `[...]` markup syntax in it) is printed as it is, never read as markup.
+
 Exit codes scripts and cron can rely on: 0 success, 1 a check found problems (fsck), 2 bad usage or
 configuration, 3 the store or cache could not be used, 4 another GC holds the lease (try later).
 """
@@ -15,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from kvstore.config import Settings, load_settings
 from kvstore.errors import ConfigError, KVStoreError
@@ -32,6 +36,7 @@ __all__ = [
     "err",
     "finite_seconds",
     "node_or_exit",
+    "say",
     "settings_or_exit",
     "store_or_exit",
 ]
@@ -43,11 +48,19 @@ console = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, soft_wrap=True)  # messages stay one line (scripts grep them)
 
 
+def say(label: str, message: object = "", *, style: str = "red") -> None:
+    """One line on stderr: `label` in `style`, then `message` as plain text (never parsed as markup)."""
+    line = Text(label, style=style)
+    if message != "":
+        line.append(f": {message}")
+    err.print(line)
+
+
 def settings_or_exit(**overrides: object) -> Settings:
     try:
         return load_settings(**overrides)
     except ConfigError as exc:
-        err.print(f"[red]configuration error:[/red] {exc}")
+        say("configuration error", exc)
         raise typer.Exit(EXIT_CONFIG) from None
 
 
@@ -57,7 +70,7 @@ def finite_seconds(option: str, value: float | None, *, positive: bool = False) 
         return
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         bound = "> 0" if positive else ">= 0"
-        err.print(f"[red]bad arguments:[/red] {option} must be a finite number {bound}, got {value}")
+        say("bad arguments", f"{option} must be a finite number {bound}, got {value}")
         raise typer.Exit(EXIT_CONFIG)
 
 
@@ -70,15 +83,15 @@ def store_or_exit(settings: Settings, failure: str, *, subprefix: str = "") -> I
     try:
         store, server = open_object_store(settings, subprefix=subprefix)
     except ConfigError as exc:
-        err.print(f"[red]{failure}:[/red] {exc}")
+        say(failure, exc)
         raise typer.Exit(EXIT_CONFIG) from None
     except KVStoreError as exc:
-        err.print(f"[red]{failure}:[/red] {exc}")
+        say(failure, exc)
         raise typer.Exit(EXIT_UNAVAILABLE) from None
     try:
         yield store
     except KVStoreError as exc:
-        err.print(f"[red]{failure}:[/red] {exc}")
+        say(failure, exc)
         raise typer.Exit(EXIT_UNAVAILABLE) from None
     finally:
         store.close()
@@ -93,8 +106,8 @@ def node_or_exit(settings: Settings, failure: str, *, check_store: bool = True) 
     try:
         return open_node(settings, check_store=check_store)
     except ConfigError as exc:
-        err.print(f"[red]{failure}:[/red] {exc}")
+        say(failure, exc)
         raise typer.Exit(EXIT_CONFIG) from None
     except KVStoreError as exc:
-        err.print(f"[red]{failure}:[/red] {exc}")
+        say(failure, exc)
         raise typer.Exit(EXIT_UNAVAILABLE) from None

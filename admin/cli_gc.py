@@ -17,8 +17,8 @@ from kvstore.admin.cli_common import (
     EXIT_BUSY,
     EXIT_CONFIG,
     console,
-    err,
     finite_seconds,
+    say,
     settings_or_exit,
     store_or_exit,
 )
@@ -49,13 +49,13 @@ def gc(
     finite_seconds("--ttl-seconds", ttl_seconds)
     finite_seconds("--grace-seconds", grace_seconds)
     if max_bytes is not None and max_bytes < 0:
-        err.print(f"[red]bad arguments:[/red] --max-bytes must be >= 0, got {max_bytes}")
+        say("bad arguments", f"--max-bytes must be >= 0, got {max_bytes}")
         raise typer.Exit(EXIT_CONFIG)
     settings = settings_or_exit()
     try:
         publisher = None if dry_run else open_publisher(settings.events_endpoint)
     except ConfigError as exc:
-        err.print(f"[red]configuration error:[/red] {exc}")
+        say("configuration error", exc)
         raise typer.Exit(EXIT_CONFIG) from None
     with contextlib.ExitStack() as stack, store_or_exit(settings, "GC failed") as store:
         if publisher is not None:
@@ -74,9 +74,9 @@ def gc(
                 on_removed=publisher.publish_removed if publisher is not None else None,
             )
         except LeaseHeld as exc:
-            err.print(f"[yellow]another GC is running:[/yellow] {exc}")
+            say("another GC is running", exc, style="yellow")
             raise typer.Exit(EXIT_BUSY) from None
         except ValueError as exc:
-            err.print(f"[red]bad arguments:[/red] {exc}")
+            say("bad arguments", exc)
             raise typer.Exit(EXIT_CONFIG) from None
     console.print_json(json.dumps(report.as_dict()))

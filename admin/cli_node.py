@@ -16,6 +16,7 @@ from kvstore.admin.cli_common import (
     console,
     err,
     node_or_exit,
+    say,
     settings_or_exit,
     store_or_exit,
 )
@@ -43,13 +44,14 @@ def fsck(
             rebuilt = rebuild_index(settings.cache_dir)
             err.print(
                 f"rebuilt the damaged index from {rebuilt.entries} chunk files "
-                f"({rebuilt.skipped_files} unusable files removed); the old index is in {rebuilt.kept_aside}"
+                f"({rebuilt.skipped_files} unusable files removed); the old index is in {rebuilt.kept_aside}",
+                markup=False,
             )
             cache = NVMeCache(settings.cache_dir, settings.cache_bytes, repair=True)
         with cache:
             report = cache.fsck(fix=fix)
     except KVStoreError as exc:
-        err.print(f"[red]cannot open cache:[/red] {exc}")
+        say("cannot open cache", exc)
         raise typer.Exit(EXIT_UNAVAILABLE) from None
     console.print_json(json.dumps(report.as_dict()))
     if not report.clean and not fix:
@@ -67,10 +69,10 @@ def stats(
         with store_and_cache(settings_or_exit()) as parts:  # read-only: no engine, none of its threads
             console.print_json(json.dumps(node_stats(parts, scan_bucket=scan_bucket), default=str))
     except ConfigError as exc:
-        err.print(f"[red]cannot open the node:[/red] {exc}")
+        say("cannot open the node", exc)
         raise typer.Exit(EXIT_CONFIG) from None
     except KVStoreError as exc:
-        err.print(f"[red]cannot open the node:[/red] {exc}")
+        say("cannot open the node", exc)
         raise typer.Exit(EXIT_UNAVAILABLE) from None
 
 
@@ -98,7 +100,7 @@ def warm(
     from kvstore.warm import warm as run_warm
 
     if (prompt is None) == (token_ids is None):
-        err.print("[red]give exactly one of --prompt or --token-ids[/red]")
+        say("give exactly one of --prompt or --token-ids")
         raise typer.Exit(EXIT_CONFIG)
     settings = settings_or_exit()
     urls = [vllm_url] if vllm_url else settings.vllm_urls
@@ -114,10 +116,10 @@ def warm(
             tokens, _ = tokenize_with(urls, prompt, served_model=model)
         report = run_warm(node, namespace, tokens, vllm_urls=urls, model=model, pin=pin)
     except (ValueError, ConfigError) as exc:
-        err.print(f"[red]bad arguments:[/red] {exc}")
+        say("bad arguments", exc)
         raise typer.Exit(EXIT_CONFIG) from None
     except KVStoreError as exc:
-        err.print(f"[red]warm failed:[/red] {exc}")
+        say("warm failed", exc)
         raise typer.Exit(EXIT_UNAVAILABLE) from None
     finally:
         node.close()
@@ -134,6 +136,6 @@ def migrate() -> None:
     with store_or_exit(settings, "migration failed") as store:
         applied = run_migrations(cache_dir=settings.cache_dir, store=store)
     for step in applied:
-        console.print(f"applied {step.target} migration {step.version}: {step.describe}")
+        console.print(f"applied {step.target} migration {step.version}: {step.describe}", markup=False)
     if not applied:
         console.print("nothing to migrate: cache index and bucket are up to date")

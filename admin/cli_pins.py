@@ -7,13 +7,14 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from kvstore.admin.cli_common import (
     EXIT_CONFIG,
     EXIT_PROBLEMS,
     console,
-    err,
     finite_seconds,
+    say,
     settings_or_exit,
     store_or_exit,
 )
@@ -54,7 +55,7 @@ def pin_add(
     from kvstore.vllm_api import tokenize_with
 
     if (prompt is None) == (token_ids is None):
-        err.print("[red]give exactly one of --prompt or --token-ids[/red]")
+        say("give exactly one of --prompt or --token-ids")
         raise typer.Exit(EXIT_CONFIG)
     finite_seconds("--ttl-seconds", ttl_seconds, positive=True)
     settings = settings_or_exit()
@@ -75,12 +76,13 @@ def pin_add(
             manifest = create_pin(store, name, ns, keys, ttl_seconds=ttl_seconds)
             present = present_chunks(store, manifest.keys)
         except (ValueError, ConfigError) as exc:
-            err.print(f"[red]cannot pin:[/red] {exc}")
+            say("cannot pin", exc)
             raise typer.Exit(EXIT_CONFIG) from None
     if warning is not None:
-        err.print(f"[yellow]warning:[/yellow] {warning}")
+        say("warning", warning, style="yellow")
     console.print(
-        f"pinned {len(manifest.keys)} chunks as {manifest.name!r}; {present} of them are in the bucket now"
+        f"pinned {len(manifest.keys)} chunks as {manifest.name!r}; {present} of them are in the bucket now",
+        markup=False,
     )
 
 
@@ -96,7 +98,8 @@ def pin_ls() -> None:
     for col in ("name", "namespace", "chunks", "in bucket", "expires"):
         table.add_column(col, overflow="fold")
     for pin, found in zip(pins, present, strict=True):
-        table.add_row(pin.name, pin.namespace, str(len(pin.keys)), str(found), str(pin.expires_at or "never"))
+        cells = (pin.name, pin.namespace, str(len(pin.keys)), str(found), str(pin.expires_at or "never"))
+        table.add_row(*(Text(cell) for cell in cells))  # as they are, never as markup
     console.print(table)
 
 
@@ -109,6 +112,6 @@ def pin_rm(name: Annotated[str, typer.Argument(help="Pin name")]) -> None:
         try:
             delete_pin(store, name)
         except PinNotFound as exc:
-            err.print(f"[red]{exc}[/red]")
+            say(str(exc))
             raise typer.Exit(EXIT_PROBLEMS) from None
-    console.print(f"deleted pin {name!r}")
+    console.print(f"deleted pin {name!r}", markup=False)

@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from kvstore.admin.cli_common import (
     EXIT_CONFIG,
     EXIT_UNAVAILABLE,
     console,
-    err,
     node_or_exit,
+    say,
     settings_or_exit,
 )
 from kvstore.errors import KVStoreError
@@ -39,27 +40,30 @@ def serve(
     settings = settings_or_exit(admin_host=host, admin_port=port)
     if settings.admin_token is None and not is_loopback(settings.admin_host):
         if not insecure_no_auth:
-            err.print(
-                f"[red]refusing to serve the admin API on {settings.admin_host!r} without a token:[/red] "
+            say(
+                f"refusing to serve the admin API on {settings.admin_host!r} without a token",
                 "anyone who reaches it could pin, warm and garbage-collect. Set KVSTORE_ADMIN_TOKEN, bind to "
-                "127.0.0.1, or pass --insecure-no-auth if something else guards the network."
+                "127.0.0.1, or pass --insecure-no-auth if something else guards the network.",
             )
             raise typer.Exit(EXIT_CONFIG)
-        err.print(
-            f"[yellow]warning:[/yellow] the /v1 API on {settings.admin_host!r} accepts requests from anyone "
-            "(--insecure-no-auth)"
+        say(
+            "warning",
+            f"the /v1 API on {settings.admin_host!r} accepts requests from anyone (--insecure-no-auth)",
+            style="yellow",
         )
     node = node_or_exit(settings, "cannot start")
     try:
         if node.embedded is not None:
             console.print(
-                f"embedded S3 server: [bold]{node.embedded.endpoint}[/bold] "
-                f"(bucket kvstore, data in {settings.data_dir / 's3'}, "
-                f"credentials in {settings.data_dir / 's3' / 'credentials.json'})"
+                f"embedded S3 server: [bold]{escape(node.embedded.endpoint)}[/bold] "
+                f"(bucket kvstore, data in {escape(str(settings.data_dir / 's3'))}, "
+                f"credentials in {escape(str(settings.data_dir / 's3' / 'credentials.json'))})"
             )
-        console.print(f"NVMe cache: {settings.cache_dir} (budget {settings.cache_bytes:,} bytes)")
+        cache = f"NVMe cache: {settings.cache_dir} (budget {settings.cache_bytes:,} bytes)"
+        console.print(cache, markup=False)
         console.print(
-            f"admin API: http://{settings.admin_host}:{settings.admin_port}  (/healthz, /metrics, /docs)"
+            f"admin API: http://{settings.admin_host}:{settings.admin_port}  (/healthz, /metrics, /docs)",
+            markup=False,
         )
         uvicorn.run(create_app(node), host=settings.admin_host, port=settings.admin_port, log_level="warning")
     finally:
@@ -78,5 +82,5 @@ def demo(
     try:
         show_demo(settings_or_exit(), console, conversations=conversations, turns=turns, hold=hold)
     except (KVStoreError, VLLMServerError) as exc:
-        err.print(f"[red]demo failed:[/red] {exc}")
+        say("demo failed", exc)
         raise typer.Exit(EXIT_UNAVAILABLE) from None

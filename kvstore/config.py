@@ -15,7 +15,7 @@ import re
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import (
     AliasChoices,
@@ -27,7 +27,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings.exceptions import SettingsError
 
 from kvstore.chunk import Codec
 from kvstore.errors import ConfigError
@@ -207,8 +208,8 @@ class Settings(BaseSettings):
     # instance; LOCAL for routers that drop REMOTE events (see the README's router settings).
     object_locality: str = "REMOTE"
     # The vLLM OpenAI endpoints the admin service may call (tokenize, prefill); requests name a served model,
-    # never a URL. A JSON list in KVSTORE_VLLM_URLS.
-    vllm_urls: list[str] = Field(default_factory=list)
+    # never a URL. One URL or a JSON list in KVSTORE_VLLM_URLS (decoded by `_url_list`, not by pydantic).
+    vllm_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
     data_dir: Path = Field(default_factory=default_data_dir)
 
     @field_validator("store_url", mode="before")
@@ -240,8 +241,22 @@ class Settings(BaseSettings):
     @field_validator("vllm_urls", mode="before")
     @classmethod
     def _url_list(cls, value: Any) -> Any:
-        if isinstance(value, str):  # from a tool's option or an undecoded variable: a JSON list or one URL
-            value = json.loads(value) if value.lstrip().startswith("[") else [value] if value else []
+        if not isinstance(value, str):
+            return value
+        # From the environment or a tool's option: a JSON list, one URL, or nothing.
+        if not value.lstrip().startswith("["):
+            return [value] if value.strip() else []
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"looks like a JSON list of URLs but does not parse: {exc}") from None
+
+    @field_validator("cache_dir", "data_dir", mode="before")
+    @classmethod
+    def _named_directory(cls, value: Any) -> Any:
+        # `Path("")` is the working directory: an empty variable must not put the cache wherever a tool runs.
+        if isinstance(value, str | Path) and not str(value).strip():
+            raise ValueError("must not be empty (unset it for the default, or name a directory)")
         return value
 
     @field_validator("vllm_urls")
@@ -377,6 +392,9 @@ def load_settings(**overrides: Any) -> Settings:
         log.warning("ignoring %s: no kvstore setting has that name (a typo?)", name)
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except SettingsError as exc:  # a value a source could not decode (e.g. malformed JSON for a list)
+        cause = f": {exc.__cause__}" if exc.__cause__ is not None else ""
+        raise ConfigError(f"invalid kvstore settings: {exc}{cause}") from None
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}" for err in exc.errors()

@@ -76,6 +76,13 @@ def test_serve_on_a_public_address_with_the_explicit_flag(tmp_path: Path) -> Non
         (["pin", "ls"], {"KVSTORE_OUTAGE_COOLDOWN_S": "nan"}, "outage_cooldown_s"),
         (["pin", "ls"], {"KVSTORE_PROBE_HIT_TTL_S": "1e999"}, "probe_hit_ttl_s"),
         (["pin", "ls"], {"KVSTORE_ADMIN_PORT": "99999"}, "admin_port"),
+        (["pin", "ls"], {"KVSTORE_VLLM_URLS": "[http://x"}, "vllm_urls"),
+        (["pin", "ls"], {"KVSTORE_VLLM_URLS": "ftp://x"}, "vllm_urls"),
+        (["pin", "ls"], {"KVSTORE_VLLM_URLS": '{"a": 1}'}, "vllm_urls"),
+        (["pin", "ls"], {"KVSTORE_CACHE_DIR": ""}, "cache_dir"),
+        (["pin", "ls"], {"KVSTORE_CACHE_DIR": "  "}, "cache_dir"),
+        (["pin", "ls"], {"KVSTORE_DATA_DIR": ""}, "data_dir"),
+        (["fsck"], {"KVSTORE_CACHE_DIR": ""}, "cache_dir"),
         (["serve", "--port", "99999"], {}, "admin_port"),
         (["serve", "--port", "-1"], {}, "admin_port"),
         (["serve", "--port", "0"], {}, "admin_port"),
@@ -98,6 +105,32 @@ def test_bad_settings_and_arguments_exit_2_and_name_the_option(
     result = _run(args, cli_env(tmp_path, **{**base, **env}), timeout=30)
     assert result.returncode == 2, result.stdout + result.stderr
     assert named in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("value", ["http://x", "http://x/", '["http://x"]', ""])
+def test_one_vllm_url_or_a_json_list_in_the_environment(tmp_path: Path, value: str) -> None:
+    env = cli_env(tmp_path, KVSTORE_STORE_URL=f"file://{tmp_path / 'store'}", KVSTORE_VLLM_URLS=value)
+    result = _run(["pin", "ls"], env)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_an_empty_cache_dir_never_puts_the_cache_in_the_working_directory(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    env = cli_env(tmp_path, KVSTORE_STORE_URL=f"file://{tmp_path / 'store'}", KVSTORE_CACHE_DIR="")
+    result = subprocess.run([*KVSTORE, "fsck"], env=env, cwd=work, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "cache_dir" in result.stderr and "empty" in result.stderr
+    assert list(work.iterdir()) == []
+
+
+def test_messages_are_printed_as_they_are_never_as_markup(tmp_path: Path) -> None:
+    # A message quoting something with rich's markup syntax in it (here a config file's path).
+    odd = tmp_path / "[/red]" / "[bold]x.json"
+    result = _run(["pin", "ls"], cli_env(tmp_path, KVSTORE_CONFIG_FILE=str(odd)))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert str(odd) in result.stderr and "cannot read config file" in result.stderr
 
 
 def test_unknown_kvstore_variables_are_named_in_a_warning(tmp_path: Path) -> None:

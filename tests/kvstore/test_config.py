@@ -276,3 +276,40 @@ def test_aws_endpoint_url_and_region(clean_env: Path, monkeypatch: pytest.Monkey
     monkeypatch.delenv("AWS_REGION")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "ap-south-1")
     assert load_settings().region == "ap-south-1"
+
+
+@pytest.mark.parametrize(
+    ("value", "urls"),
+    [
+        ("http://x", ["http://x"]),
+        ("https://x:8/v/", ["https://x:8/v"]),
+        ('["http://a", "http://b"]', ["http://a", "http://b"]),
+        ("", []),
+    ],
+)
+def test_vllm_urls_from_the_environment_one_url_or_a_json_list(
+    clean_env: Path, monkeypatch: pytest.MonkeyPatch, value: str, urls: list[str]
+) -> None:
+    monkeypatch.setenv("KVSTORE_VLLM_URLS", value)
+    assert load_settings().vllm_urls == urls
+
+
+@pytest.mark.parametrize("value", ["[http://x", "ftp://x", '["http://x", 1]', "[1"])
+def test_bad_vllm_urls_from_the_environment_are_a_config_error(
+    clean_env: Path, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("KVSTORE_VLLM_URLS", value)
+    with pytest.raises(ConfigError, match="vllm_urls"):
+        load_settings()
+
+
+@pytest.mark.parametrize("name", ["cache_dir", "data_dir"])
+@pytest.mark.parametrize("value", ["", "   "])
+def test_an_empty_directory_setting_is_an_error_not_the_working_directory(
+    clean_env: Path, monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    monkeypatch.setenv(f"KVSTORE_{name.upper()}", value)
+    with pytest.raises(ConfigError, match=f"{name}.*must not be empty"):
+        load_settings()
+    with pytest.raises(ConfigError, match=f"{name}.*must not be empty"):
+        load_settings(**{name: value})
