@@ -22,7 +22,7 @@ from kvstore.admin.jobs import JobAccepted
 from kvstore.admin.openapi import AUTH_ERRORS, PositiveJsonInt, errors
 from kvstore.errors import KVStoreError
 from kvstore.gc import list_reports, run_gc
-from kvstore.lease import read_lease
+from kvstore.lease import holder_gone, read_lease
 
 __all__ = ["GCReportsOut", "GCRequest", "router"]
 
@@ -52,7 +52,7 @@ def start_gc(body: GCRequest, node: NodeDep, jobs: JobsDep, on_removed: BlockRem
         lease = read_lease(node.store, "gc")  # one small GET, bounded by the store's data-path deadline
     except KVStoreError as exc:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"object store unusable: {exc}") from None
-    if lease is not None and lease.live(time.time()):
+    if lease is not None and lease.live(time.time()) and not holder_gone(lease):
         raise HTTPException(status.HTTP_409_CONFLICT, f"a GC is already running (held by {lease.holder!r})")
     job = jobs.create("gc")
 

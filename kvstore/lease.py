@@ -10,18 +10,27 @@ taker's fresh lease). So a taker first claims the stale lease by its token, crea
 stale object and races `put_if_absent` for a fresh one. Claims are kept (a deleted claim could be won again
 by a slow taker) and pruned once a day old. As a last line of defence every `renew` re-reads the lease and
 raises `LeaseLost` when the token is no longer ours, and guarded jobs are idempotent (GC is).
+
+A holder that dies on the machine where the next taker runs need not be waited out: the lease records its
+process (`HolderProcess`: the machine, as host name + boot id + PID namespace, the pid and the process's start
+time), and a taker on the same machine takes a live lease over at once when that process is gone (no such pid,
+a zombie, or a pid reused by a process that started at another time). A holder elsewhere, or one whose process
+this machine cannot see, is trusted until `expires_at`.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import logging
 import os
 import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
@@ -29,7 +38,19 @@ from kvstore.errors import KVStoreError
 from kvstore.layout import LEASE_PREFIX
 from kvstore.stores import ObjectStore
 
-__all__ = ["Lease", "LeaseHeld", "LeaseInfo", "LeaseLost", "default_holder", "read_lease"]
+__all__ = [
+    "HolderProcess",
+    "Lease",
+    "LeaseHeld",
+    "LeaseInfo",
+    "LeaseLost",
+    "default_holder",
+    "holder_gone",
+    "read_lease",
+    "this_process",
+]
+
+log = logging.getLogger(__name__)
 
 _CLAIM_KEEP_S = 86_400.0  # takeover claims older than this are pruned (no taker is that slow)
 
@@ -43,15 +64,75 @@ class LeaseLost(KVStoreError):
 
 
 @dataclass(frozen=True, slots=True)
+class HolderProcess:
+    """The process holding a lease: its machine (host name, boot id, PID namespace), pid and start time (in
+    clock ticks since boot, from `/proc/<pid>/stat`), which together tell a reused pid from the holder."""
+
+    machine: str
+    pid: int
+    started: str
+
+
+@functools.cache
+def _machine() -> str | None:
+    """This machine, as far as pids go: the same host name, boot and PID namespace; `None` without /proc."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+    return f"{socket.gethostname()}/{boot}/{namespace}"
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time, `"zombie"` for one that died and waits to be reaped, `None` if unreadable."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ", which may hold spaces
+    return "zombie" if fields[0] in ("Z", "X") else fields[19]
+
+
+def this_process() -> HolderProcess | None:
+    """This process as a lease records it; `None` where the machine cannot be identified (no /proc)."""
+    machine, started = _machine(), _start_time(os.getpid())
+    if machine is None or started is None:
+        return None
+    return HolderProcess(machine, os.getpid(), started)
+
+
+def _process_gone(process: HolderProcess) -> bool:
+    try:
+        os.kill(process.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # it exists, under another user
+    # Exists: gone only if it is a zombie or another process (started at another time). An unreadable start
+    # time (a /proc mounted with hidepid) proves nothing, so the holder is trusted.
+    started = _start_time(process.pid)
+    return started is not None and started != process.started
+
+
+@dataclass(frozen=True, slots=True)
 class LeaseInfo:
     """The decoded lease object."""
 
     holder: str
     token: str
     expires_at: float
+    process: HolderProcess | None = None  # absent in leases written before it was recorded
 
     def live(self, now: float) -> bool:
         return self.expires_at > now
+
+
+def holder_gone(info: LeaseInfo) -> bool:
+    """Whether the lease's holder is a process of this machine that no longer runs (`kill -9`, a crash):
+    then the lease can be taken over at once instead of after `expires_at`."""
+    process = info.process
+    return process is not None and process.machine == _machine() and _process_gone(process)
 
 
 def default_holder() -> str:
@@ -66,9 +147,15 @@ def lease_key(name: str) -> str:
 def _decode(blob: bytes) -> LeaseInfo | None:
     try:
         data: Any = json.loads(blob)
-        return LeaseInfo(str(data["holder"]), str(data["token"]), float(data["expires_at"]))
-    except (ValueError, KeyError, TypeError):
+        info = LeaseInfo(str(data["holder"]), str(data["token"]), float(data["expires_at"]))
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None  # unreadable: treated as expired, so a torn or foreign object cannot block GC forever
+    try:
+        p = data["process"]
+        process = HolderProcess(str(p["machine"]), int(p["pid"]), str(p["started"]))
+    except (KeyError, TypeError, ValueError):
+        return info  # no (readable) process: the lease is trusted until it expires
+    return LeaseInfo(info.holder, info.token, info.expires_at, process)
 
 
 def read_lease(store: ObjectStore, name: str = "gc") -> LeaseInfo | None:
@@ -102,6 +189,7 @@ class Lease:
         self.ttl_s = ttl_s
         self.holder = holder or default_holder()
         self.token = uuid.uuid4().hex
+        self._process = this_process()
         self._clock = clock
         self._held = False
         self._renewed_at = 0.0
@@ -111,11 +199,18 @@ class Lease:
         return self._held
 
     def _body(self) -> bytes:
-        expires_at = self._clock() + self.ttl_s
-        return json.dumps({"holder": self.holder, "token": self.token, "expires_at": expires_at}).encode()
+        body: dict[str, Any] = {
+            "holder": self.holder,
+            "token": self.token,
+            "expires_at": self._clock() + self.ttl_s,
+        }
+        if self._process is not None:
+            body["process"] = asdict(self._process)
+        return json.dumps(body).encode()
 
     def acquire(self) -> None:
-        """Take the lease or raise `LeaseHeld`; an expired (or unreadable) lease is taken over."""
+        """Take the lease or raise `LeaseHeld`; an expired (or unreadable) lease is taken over, and so is a
+        live one whose holder was a process of this machine that is gone."""
         blob: bytes | None = None
         for _ in range(3):  # absent between our create and our read (a release or a takeover): retry
             if self._store.put_if_absent(self.key, self._body()):
@@ -128,11 +223,20 @@ class Lease:
             raise LeaseHeld(f"lease {self.name!r} keeps changing hands; try again")
         current = _decode(blob)
         if current is not None and current.live(self._clock()):
-            raise LeaseHeld(
-                f"lease {self.name!r} is held by {current.holder!r} until "
-                f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(current.expires_at))}"
+            if not holder_gone(current):
+                raise LeaseHeld(
+                    f"lease {self.name!r} is held by {current.holder!r} until "
+                    f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(current.expires_at))}"
+                )
+            assert current.process is not None
+            log.warning(
+                "lease %r: its holder %r (pid %d on this machine) is gone; taking it over",
+                self.name,
+                current.holder,
+                current.process.pid,
             )
-        # Stale (or unreadable): claim this particular stale lease first, so only one taker deletes it.
+        # Stale (expired, unreadable or its holder gone): claim this particular stale lease first, so only one
+        # taker deletes it.
         stale_token = current.token if current is not None else hashlib.sha256(blob).hexdigest()[:32]
         if not self._store.put_if_absent(f"{self._claims}{stale_token}", self.token.encode()):
             raise LeaseHeld(f"lease {self.name!r}: another taker is taking over the expired lease")

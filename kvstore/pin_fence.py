@@ -22,7 +22,8 @@ until it was gone, i.e. until after g4, before writing M at c3. Contradiction.
 "Live" relies on clocks agreeing within the margins below (seconds; NTP does far better) and on the lease's
 own assumption that a GC does not stall for minutes between renewing the lease and its next request. A
 crashed GC leaves a marker that creators wait out (its deadline, or its lease expiring or changing hands);
-a crashed creator leaves a hold that GC waits out (its deadline).
+a crashed creator leaves a hold that GC waits out (its deadline). A GC killed on the creator's own machine
+stops closing the fence at once (`kvstore.lease.holder_gone`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any, TypeVar
 
 from kvstore.errors import KVStoreError, StoreError
 from kvstore.layout import GC_HOLD_PREFIX, GC_MARKER_KEY
-from kvstore.lease import Lease, read_lease
+from kvstore.lease import Lease, holder_gone, read_lease
 from kvstore.stores.base import ObjectStore
 
 __all__ = [
@@ -145,9 +146,10 @@ def _marker_live(store: ObjectStore, now: float) -> bool:
     except (ValueError, KeyError, TypeError):
         return False
     # A marker whose GC no longer holds a live lease was left by a crash (or a GC that lost its lease,
-    # which stops before its next delete): it does not close the fence.
+    # which stops before its next delete): it does not close the fence. Nor does one whose GC was a process
+    # of this machine that is gone (its lease is taken over at once, `kvstore.lease.holder_gone`).
     lease = read_lease(store, "gc")
-    return lease is not None and lease.token == token and lease.live(now)
+    return lease is not None and lease.token == token and lease.live(now) and not holder_gone(lease)
 
 
 def fenced_pin_write(

@@ -9,6 +9,8 @@ the manifests in the bucket at that moment.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -195,3 +197,24 @@ def test_holds_of_crashed_creators_neither_block_gc_nor_pile_up(
     assert report.deleted == len(keys) and report.pin_fence_wait_s == 0
     left = {info.key for info in store.list(GC_HOLD_PREFIX)}
     assert left == {f"{GC_HOLD_PREFIX}crashed-just-now.json"}  # an unreadable hold counts as long expired
+
+
+def test_the_marker_of_a_gc_killed_on_this_machine_never_holds_pin_creation_back() -> None:
+    from kvstore.lease import lease_key, this_process
+    from kvstore.stores import MemoryStore
+
+    store = MemoryStore("killed-gc")
+    me = this_process()
+    assert me is not None, "this test needs /proc"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(30)
+    process = {"machine": me.machine, "pid": dead.pid, "started": "1"}
+    lease = {"holder": "killed", "token": "k" * 32, "expires_at": time.time() + 300, "process": process}
+    store.put(lease_key("gc"), json.dumps(lease).encode())
+    store.put(
+        GC_MARKER_KEY,
+        json.dumps({"token": "k" * 32, "holder": "killed", "until": time.time() + 120}).encode(),
+    )
+    began = time.monotonic()
+    assert fenced_pin_write(store, lambda: "written", wait_s=5) == "written"
+    assert time.monotonic() - began < 2
