@@ -44,10 +44,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Set
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, TypeAlias
 
 from kvstore.access import encode_batch, read_access_records
+from kvstore.cache.records import MAX_KEY_BYTES
 from kvstore.errors import KVStoreError, StoreUnavailable
 from kvstore.layout import ACCESS_PREFIX, GC_REPORT_PREFIX, is_chunk_key
 from kvstore.lease import Lease
@@ -115,19 +116,22 @@ def _pin_check(pinned: Pinned) -> Callable[[str], bool]:
     return lambda key: key in pinned_set
 
 
+def _pin_policy(
+    pins: PinView, cache: CachePins | None, extra: Callable[[str], bool]
+) -> Callable[[str], bool]:
+    """Whether a chunk is pinned: by a manifest in the bucket, in the node's cache, or by the caller."""
+
+    def is_pinned(key: str) -> bool:
+        # A key too long for the cache's index can be pinned there by no one (and asking would raise).
+        in_cache = cache is not None and len(key.encode()) <= MAX_KEY_BYTES and cache.pinned(key) > 0
+        return key in pins or in_cache or extra(key)
+
+    return is_pinned
+
+
 def _age_bucket(age: float) -> int:
     """Logarithmic age bucket: larger index = older; ages under a second share bucket 0."""
     return 0 if age < 1.0 else int(math.log(age) / _LOG_STEP) + 1
-
-
-@dataclass
-class _Counts:
-    objects: int = 0
-    bytes_total: int = 0
-    kept_pinned: int = 0
-    kept_young: int = 0
-    remaining_objects: int = 0
-    remaining_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +151,7 @@ class GCCancelled(KVStoreError):
 
 class _Deleter:
     """Batches deletions. Each batch goes through the pin fence (`kvstore.pin_fence`): the pins are re-read
-    right before the delete and keys pinned meanwhile are spared (`spared`, added back to the counts).
+    right before the delete and keys pinned meanwhile are spared (`take_spared`, survivors after all).
     Deleted batches go to `on_removed`; the lease is renewed before each batch."""
 
     def __init__(
@@ -169,7 +173,7 @@ class _Deleter:
         self._cancel = cancel
         self.fence = DeleteFence(store, lease)
         self._batch: list[_Victim] = []
-        self.spared: list[_Victim] = []
+        self._spared: list[_Victim] = []
         self.deleted: dict[str, int] = {"ttl": 0, "budget": 0}  # in a dry run: would have deleted
         self.freed = 0
 
@@ -178,13 +182,15 @@ class _Deleter:
         if len(self._batch) >= DELETE_BATCH:
             self.flush()
 
-    def _refresh_pins(self) -> None:
-        self._pins.refresh()
+    def take_spared(self) -> list[_Victim]:
+        """The victims a pin created meanwhile saved at delete time, since the last call."""
+        spared, self._spared = self._spared, []
+        return spared
 
     def _split(self, batch: list[_Victim]) -> list[_Victim]:
         doomed = [v for v in batch if not self._is_pinned(v.key)]
         if len(doomed) < len(batch):
-            self.spared.extend(v for v in batch if self._is_pinned(v.key))
+            self._spared.extend(v for v in batch if self._is_pinned(v.key))
         return doomed
 
     def _count(self, done: list[_Victim]) -> None:
@@ -199,12 +205,12 @@ class _Deleter:
         check_cancel(self._cancel)
         self._lease.renew()  # raises LeaseLost before deleting if another GC took over
         if self._dry_run:
-            self._refresh_pins()
+            self._pins.refresh()
             self._count(self._split(batch))
             return
         for _ in range(3):
             with self.fence.batch() as until:
-                self._refresh_pins()
+                self._pins.refresh()
                 doomed = self._split(batch)
                 if not self.fence.in_time(until):
                     batch = doomed  # the re-read took too long to trust the marker: announce again
@@ -257,6 +263,134 @@ def _boundary(histogram: dict[int, int], excess: int) -> tuple[int, int] | None:
             return bucket, excess - covered
         covered += size
     return None
+
+
+class _OldestCovering:
+    """The oldest members of the boundary bucket whose bytes cover `need`: a max-heap by last access that
+    drops its newest member whenever the others still cover `need`, so it never holds more than that."""
+
+    def __init__(self, need: int) -> None:
+        self._need = need
+        self._heap: list[tuple[float, str, int]] = []
+        self._bytes = 0
+
+    def push(self, last: float, key: str, size: int) -> None:
+        heapq.heappush(self._heap, (-last, key, size))
+        self._bytes += size
+        while self._heap and self._bytes - self._heap[0][2] >= self._need:
+            self._bytes -= heapq.heappop(self._heap)[2]
+
+    def oldest_first(self) -> list[tuple[str, int]]:
+        return [(key, size) for _, key, size in sorted(self._heap, reverse=True)]
+
+
+@dataclass
+class _Run:
+    """One run: its rules, and what its phases find, filled in as they go. Pass 1 (`_ttl_pass`) counts the
+    chunks and builds the survivors' age histogram, pass 2 (`_budget_pass`) takes survivors back out, and
+    both move the merged access times of surviving chunks from `access` to `live` (what compaction keeps).
+    `_report` turns it into the `GCReport`."""
+
+    id: str
+    started_at: float  # this host's clock, for the report's name
+    now: float  # the clock ages are judged by
+    ttl_seconds: float
+    grace_seconds: float
+    max_bytes: int | None
+    dry_run: bool
+    is_pinned: Callable[[str], bool]
+    deleter: _Deleter
+    chunks: Callable[[], Iterator[ObjectInfo]]
+    access: dict[str, float]  # merged access records, by chunk key
+    record_keys: list[str]
+    access_keys: int = 0
+    live: dict[str, float] = field(default_factory=dict)
+    histogram: dict[int, int] = field(default_factory=lambda: collections.defaultdict(int))
+    objects: int = 0  # chunk objects counted in pass 1
+    bytes_total: int = 0
+    kept_pinned: int = 0
+    kept_young: int = 0
+    remaining_objects: int = 0
+    remaining_bytes: int = 0
+    records_compacted: int = 0
+
+    @property
+    def over_budget(self) -> bool:
+        return self.max_bytes is not None and self.remaining_bytes > self.max_bytes
+
+    def young(self, info: ObjectInfo) -> bool:
+        # Listings carry whole seconds, truncated: an object may be up to a second younger than it looks.
+        return self.now - info.last_modified < self.grace_seconds + LISTING_RESOLUTION_S
+
+    def last_access(self, info: ObjectInfo, ts: float | None) -> float:
+        """The chunk's last access: the newest of its write and the access records naming it."""
+        return info.last_modified if ts is None else max(ts, info.last_modified)
+
+    def idle(self, last: float) -> bool:
+        return self.now - last > self.ttl_seconds
+
+    def keep(self, key: str, size: int, ts: float | None) -> None:
+        self.remaining_objects += 1
+        self.remaining_bytes += size
+        if ts is not None:
+            self.live[key] = ts
+
+    def drop(self, key: str, size: int) -> None:
+        """A survivor of pass 1 goes after all (to the byte budget)."""
+        self.deleter.add(_Victim(key, size, "budget", self.live.pop(key, None)))
+        self.remaining_objects -= 1
+        self.remaining_bytes -= size
+
+    def settle(self) -> None:
+        """Flush the deletes; victims a late pin saved at delete time are survivors after all."""
+        self.deleter.flush()
+        for victim in self.deleter.take_spared():
+            self.kept_pinned += 1
+            self.keep(victim.key, victim.size, victim.ts)
+
+
+def _ttl_pass(run: _Run) -> None:
+    """Pass 1: count every chunk; delete the unpinned ones idle past the TTL; histogram the others' ages."""
+    for info in run.chunks():
+        run.objects += 1
+        run.bytes_total += info.size
+        ts = run.access.pop(info.key, None)
+        if run.is_pinned(info.key):
+            run.kept_pinned += 1
+        elif run.young(info):
+            run.kept_young += 1
+        else:
+            last = run.last_access(info, ts)
+            if run.idle(last):
+                run.deleter.add(_Victim(info.key, info.size, "ttl", ts))
+                continue
+            run.histogram[_age_bucket(run.now - last)] += info.size
+        run.keep(info.key, info.size, ts)
+    run.settle()
+    # What is left names objects that no longer exist: compaction drops it.
+    run.access.clear()
+
+
+def _budget_pass(run: _Run) -> None:
+    """Pass 2: delete survivors oldest-first until the bucket fits `max_bytes` (see the module docstring)."""
+    assert run.max_bytes is not None
+    bound = _boundary(run.histogram, run.remaining_bytes - run.max_bytes)
+    boundary, need = bound if bound is not None else (-1, 0)
+    oldest = _OldestCovering(need)
+    for info in run.chunks():
+        if run.is_pinned(info.key) or run.young(info):
+            continue
+        last = run.last_access(info, run.live.get(info.key))
+        if run.idle(last):
+            continue  # pass 1 handled it (still listed in a dry run)
+        bucket = _age_bucket(run.now - last)
+        if bucket > boundary:
+            run.drop(info.key, info.size)
+        elif bucket == boundary:
+            oldest.push(last, info.key, info.size)
+    for key, size in oldest.oldest_first():
+        run.drop(key, size)
+    run.settle()
 
 
 def _compact(store: ObjectStore, live: dict[str, float], record_keys: list[str], run_id: str) -> int:
@@ -320,123 +454,36 @@ def run_gc(
     extra_pins = _pin_check(pinned)
     started_at = time.time()
     clock = time.monotonic()
-    now = started_at if now is None else now
-    # Listings carry whole seconds, truncated: an object may be up to a second younger than it looks.
-    grace = grace_seconds + LISTING_RESOLUTION_S
     run_id = uuid.uuid4().hex[:12]
-    c = _Counts()
 
     with Lease(store, "gc", ttl_s=lease_ttl_s, holder=holder) as lease:
         pins = PinView(store)
         pins.refresh()
 
-        def is_pinned(key: str) -> bool:
-            return key in pins.keys or (cache is not None and cache.pinned(key) > 0) or extra_pins(key)
-
+        is_pinned = _pin_policy(pins, cache, extra_pins)
         access, record_keys = _merge_access(store)
-        access_keys = len(access)
-        deleter = _Deleter(store, lease, pins, is_pinned, dry_run, on_removed, cancel)
-        # Keys of `access` move into `live` as the listing finds them alive, so what is left in `access`
-        # afterwards names objects that no longer exist and is dropped by compaction.
-        live: dict[str, float] = {}
-        histogram: dict[int, int] = collections.defaultdict(int)
-
-        def settle() -> None:
-            """Victims a late pin saved at delete time are survivors after all."""
-            for victim in deleter.spared:
-                c.kept_pinned += 1
-                c.remaining_objects += 1
-                c.remaining_bytes += victim.size
-                if victim.ts is not None:
-                    live[victim.key] = victim.ts
-            deleter.spared.clear()
-
-        # Pass 1: TTL.
-        for info in _chunks(store, lease, cancel):
-            c.objects += 1
-            c.bytes_total += info.size
-            ts = access.pop(info.key, None)
-            last = info.last_modified if ts is None else max(ts, info.last_modified)
-            if is_pinned(info.key):
-                c.kept_pinned += 1
-            elif now - info.last_modified < grace:
-                c.kept_young += 1
-            elif now - last > ttl_seconds:
-                deleter.add(_Victim(info.key, info.size, "ttl", ts))
-                continue
-            else:
-                histogram[_age_bucket(now - last)] += info.size
-            if ts is not None:
-                live[info.key] = ts
-            c.remaining_objects += 1
-            c.remaining_bytes += info.size
-        deleter.flush()
-        settle()
-        access.clear()
-
-        # Pass 2: byte budget, oldest first.
-        if max_bytes is not None and c.remaining_bytes > max_bytes:
-            excess = c.remaining_bytes - max_bytes
-            bound = _boundary(histogram, excess)
-            boundary, need = bound if bound is not None else (-1, 0)
-            # Max-heap by last access of boundary-bucket members: only the oldest ones covering `need`.
-            heap: list[tuple[float, str, int]] = []
-            heap_bytes = 0
-            for info in _chunks(store, lease, cancel):
-                if is_pinned(info.key) or now - info.last_modified < grace:
-                    continue
-                ts = live.get(info.key)
-                last = info.last_modified if ts is None else max(ts, info.last_modified)
-                if now - last > ttl_seconds:
-                    continue  # pass 1 handled it (still listed in a dry run)
-                bucket = _age_bucket(now - last)
-                if bucket > boundary:
-                    deleter.add(_Victim(info.key, info.size, "budget", live.pop(info.key, None)))
-                    c.remaining_objects -= 1
-                    c.remaining_bytes -= info.size
-                elif bucket == boundary:
-                    heapq.heappush(heap, (-last, info.key, info.size))
-                    heap_bytes += info.size
-                    while heap and heap_bytes - heap[0][2] >= need:
-                        heap_bytes -= heapq.heappop(heap)[2]
-            for _, key, size in sorted(heap, reverse=True):  # oldest first
-                deleter.add(_Victim(key, size, "budget", live.pop(key, None)))
-                c.remaining_objects -= 1
-                c.remaining_bytes -= size
-            deleter.flush()
-            settle()
-
-        compacted = 0
-        if compact and not dry_run and record_keys:
-            lease.renew()
-            compacted = _compact(store, live, record_keys, run_id)
-
-        report = GCReport(
+        run = _Run(
             id=run_id,
             started_at=started_at,
-            duration_s=round(time.monotonic() - clock, 6),
-            dry_run=dry_run,
+            now=started_at if now is None else now,
             ttl_seconds=ttl_seconds,
-            max_bytes=max_bytes,
             grace_seconds=grace_seconds,
-            objects=c.objects,
-            bytes_total=c.bytes_total,
-            deleted=deleter.deleted["ttl"] + deleter.deleted["budget"],
-            deleted_ttl=deleter.deleted["ttl"],
-            deleted_budget=deleter.deleted["budget"],
-            bytes_freed=deleter.freed,
-            kept_pinned=c.kept_pinned,
-            kept_young=c.kept_young,
-            remaining_objects=c.remaining_objects,
-            remaining_bytes=c.remaining_bytes,
-            over_budget=max_bytes is not None and c.remaining_bytes > max_bytes,
-            access_records=len(record_keys),
-            access_keys=access_keys,
-            records_compacted=compacted,
-            pin_manifests=pins.manifests,
-            pin_fence_wait_s=round(deleter.fence.waited_s, 3),
-            report_key=_report_key(started_at, run_id),
+            max_bytes=max_bytes,
+            dry_run=dry_run,
+            is_pinned=is_pinned,
+            deleter=_Deleter(store, lease, pins, is_pinned, dry_run, on_removed, cancel),
+            chunks=lambda: _chunks(store, lease, cancel),
+            access=access,
+            record_keys=record_keys,
+            access_keys=len(access),
         )
+        _ttl_pass(run)
+        if run.over_budget:
+            _budget_pass(run)
+        if compact and not dry_run and record_keys:
+            lease.renew()
+            run.records_compacted = _compact(store, run.live, record_keys, run_id)
+        report = _report(run, pin_manifests=pins.manifests, duration_s=time.monotonic() - clock)
         store.put(report.report_key, json.dumps(report.as_dict(), indent=1).encode())
     log.info(
         "gc %s: %d objects, deleted %d (%d bytes)%s",
@@ -447,6 +494,36 @@ def run_gc(
         " [dry run]" if dry_run else "",
     )
     return report
+
+
+def _report(run: _Run, *, pin_manifests: int, duration_s: float) -> GCReport:
+    deleted = run.deleter.deleted
+    return GCReport(
+        id=run.id,
+        started_at=run.started_at,
+        duration_s=round(duration_s, 6),
+        dry_run=run.dry_run,
+        ttl_seconds=run.ttl_seconds,
+        max_bytes=run.max_bytes,
+        grace_seconds=run.grace_seconds,
+        objects=run.objects,
+        bytes_total=run.bytes_total,
+        deleted=deleted["ttl"] + deleted["budget"],
+        deleted_ttl=deleted["ttl"],
+        deleted_budget=deleted["budget"],
+        bytes_freed=run.deleter.freed,
+        kept_pinned=run.kept_pinned,
+        kept_young=run.kept_young,
+        remaining_objects=run.remaining_objects,
+        remaining_bytes=run.remaining_bytes,
+        over_budget=run.over_budget,
+        access_records=len(run.record_keys),
+        access_keys=run.access_keys,
+        records_compacted=run.records_compacted,
+        pin_manifests=pin_manifests,
+        pin_fence_wait_s=round(run.deleter.fence.waited_s, 3),
+        report_key=_report_key(run.started_at, run.id),
+    )
 
 
 def list_reports(store: ObjectStore, limit: int = 20) -> list[dict[str, Any]]:

@@ -557,3 +557,20 @@ def test_grace_counts_from_the_real_write_not_the_truncated_listing_time(s3_stor
     assert now - listed >= grace
     report = run_gc(s3_store, ttl_seconds=0, grace_seconds=grace, now=now)
     assert report.deleted == 0 and report.kept_young == 1 and s3_store.get(chunk(900)) is not None
+
+
+def test_a_chunk_key_too_long_for_the_node_cache_does_not_stop_gc(s3_store: Any, tmp_path: Path) -> None:
+    from kvstore.cache.nvme import NVMeCache
+    from kvstore.cache.records import MAX_KEY_BYTES
+
+    h = hashlib.sha256(b"long").hexdigest()
+    long = f"{'m' * 200}_0123456789ab_r0/{'d' * 220}/{h[3:5]}_g0/{h}.bin"
+    assert len(long.encode()) > MAX_KEY_BYTES
+    keys = [chunk(600), long]
+    write_chunks(s3_store, keys)
+    t0 = server_time(s3_store)
+    with NVMeCache(tmp_path / "nvme", 1 << 20) as cache:
+        cache.pin([keys[0]])
+        report = run_gc(s3_store, ttl_seconds=10, grace_seconds=0, cache=cache, now=t0 + 100)
+    assert report.kept_pinned == 1 and report.deleted == 1
+    assert present(s3_store) & set(keys) == {keys[0]}
