@@ -12,6 +12,11 @@ Only `.bin` objects outside `_meta/` are chunks; `config.json`, pins, leases, re
 never touched. Objects younger than `grace_seconds` (by `last_modified`, plus one second because listings
 truncate it to whole seconds) and pinned keys always survive.
 
+Ages are judged by the store's clock, never by this host's: `last_modified` is the store's time, so "now" is
+too, read off a marker object the run writes at its start (`store_now`). A GC host whose clock runs an hour
+ahead would otherwise see every chunk uploaded seconds ago as an hour old. The report states the difference
+(`clock_offset_s`).
+
 Pins (the one pin policy: `kvstore gc` and the admin service's `POST /v1/gc` both call `run_gc` with the
 node's cache, so they keep the same chunks): the run always reads the bucket's pin manifests itself, under the
 lease, and re-reads them (only the changed ones) before every delete batch, inside the pin fence
@@ -50,13 +55,13 @@ from typing import Any, Protocol, TypeAlias
 from kvstore.access import encode_batch, read_access_records
 from kvstore.cache.records import MAX_KEY_BYTES
 from kvstore.errors import KVStoreError, StoreUnavailable
-from kvstore.layout import ACCESS_PREFIX, GC_REPORT_PREFIX, is_chunk_key
+from kvstore.layout import ACCESS_PREFIX, GC_CLOCK_PREFIX, GC_REPORT_PREFIX, is_chunk_key
 from kvstore.lease import Lease
 from kvstore.pin_fence import DeleteFence
 from kvstore.pins import PinView
 from kvstore.stores import ObjectInfo, ObjectStore
 
-__all__ = ["CachePins", "GCCancelled", "GCReport", "Pinned", "list_reports", "run_gc"]
+__all__ = ["CachePins", "GCCancelled", "GCReport", "Pinned", "list_reports", "run_gc", "store_now"]
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +86,10 @@ class GCReport:
     """What one run saw and did. In a dry run `deleted*` and `bytes_freed` are what it would have deleted."""
 
     id: str
-    started_at: float
+    started_at: float  # this host's clock
+    clock_offset_s: (
+        float  # this host's clock minus the store's (listings' whole seconds: +-1 s); ages follow the store's
+    )
     duration_s: float
     dry_run: bool
     ttl_seconds: float
@@ -293,7 +301,8 @@ class _Run:
 
     id: str
     started_at: float  # this host's clock, for the report's name
-    now: float  # the clock ages are judged by
+    now: float  # the store's clock, which ages are judged by
+    clock_offset_s: float  # this host's clock minus the store's
     ttl_seconds: float
     grace_seconds: float
     max_bytes: int | None
@@ -416,6 +425,23 @@ def _report_key(started_at: float, run_id: str) -> str:
     return f"{GC_REPORT_PREFIX}{stamp}.{millis:03d}Z-{run_id}.json"
 
 
+def store_now(store: ObjectStore, run_id: str) -> float:
+    """The store's clock now: the `last_modified` it gives a marker this call writes (and then deletes).
+    Listings truncate it to whole seconds, so it is never ahead of the store's time: ages come out a little
+    short, which keeps chunks rather than deleting them."""
+    key = f"{GC_CLOCK_PREFIX}{run_id}"
+    store.put(key, b"")
+    try:
+        for _ in range(3):  # a store whose listings lag its writes lists it on a later try
+            listed = [info.last_modified for info in store.list(key) if info.key == key]
+            if listed:
+                return listed[0]
+            time.sleep(0.1)
+        raise StoreUnavailable(f"the store does not list {key} it just wrote: cannot read its clock")
+    finally:
+        store.delete(key)
+
+
 def _check_seconds(name: str, value: float) -> None:
     # `not value >= 0` also refuses NaN, which every comparison below would silently treat as "keep all".
     if not (math.isfinite(value) and value >= 0):
@@ -445,8 +471,9 @@ def run_gc(
     honoured (read under the lease and re-read before every delete batch through the pin fence, so a pin
     created while GC runs never loses a chunk), and so are the pins of `cache`, the node's NVMe cache, when
     GC runs on a node (the CLI and the admin service pass it). `pinned` adds keys kept for other reasons (a
-    key predicate or a set). `now` is the clock GC judges ages by (tests advance it instead of sleeping);
-    `on_removed` gets each deleted batch (never called in a dry run)."""
+    key predicate or a set). `now` is the time by the store's clock that GC judges ages by (default: read off
+    the store, `store_now`; tests advance it instead of sleeping); `on_removed` gets each deleted batch (never
+    called in a dry run)."""
     _check_seconds("ttl_seconds", ttl_seconds)
     _check_seconds("grace_seconds", grace_seconds)
     if max_bytes is not None and max_bytes < 0:
@@ -461,11 +488,15 @@ def run_gc(
         pins.refresh()
 
         is_pinned = _pin_policy(pins, cache, extra_pins)
+        if now is None:
+            now = store_now(store, run_id)
+        offset = time.time() - now
         access, record_keys = _merge_access(store)
         run = _Run(
             id=run_id,
             started_at=started_at,
-            now=started_at if now is None else now,
+            now=now,
+            clock_offset_s=offset,
             ttl_seconds=ttl_seconds,
             grace_seconds=grace_seconds,
             max_bytes=max_bytes,
@@ -501,6 +532,7 @@ def _report(run: _Run, *, pin_manifests: int, duration_s: float) -> GCReport:
     return GCReport(
         id=run.id,
         started_at=run.started_at,
+        clock_offset_s=round(run.clock_offset_s, 3),
         duration_s=round(duration_s, 6),
         dry_run=run.dry_run,
         ttl_seconds=run.ttl_seconds,

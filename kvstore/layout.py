@@ -11,6 +11,7 @@
     access/<YYYYMMDDHH>/<node>-<pid>-<seq>.json.zst    which chunks a node used, and when (kvstore.access)
     leases/<name>.json                                 leases, e.g. the one GC holds (kvstore.lease)
     gc/reports/<time>-<token>.json                     a report per GC run (kvstore.gc)
+    gc/clock/<run id>                                  GC reads the store's clock off it, then deletes it
     gc/deleting.json                                   GC's marker during a delete batch (kvstore.pin_fence)
     gc/holds/<id>.json                                 a pin creator's hold on deletes (kvstore.pin_fence)
 ```
@@ -24,6 +25,7 @@ from __future__ import annotations
 __all__ = [
     "ACCESS_PREFIX",
     "CONFIG_FILENAME",
+    "GC_CLOCK_PREFIX",
     "GC_HOLD_PREFIX",
     "GC_MARKER_KEY",
     "GC_REPORT_PREFIX",
@@ -43,6 +45,7 @@ PIN_DELETE_PREFIX = META_PREFIX + "pin-deletes/"
 ACCESS_PREFIX = META_PREFIX + "access/"
 LEASE_PREFIX = META_PREFIX + "leases/"
 GC_REPORT_PREFIX = META_PREFIX + "gc/reports/"
+GC_CLOCK_PREFIX = META_PREFIX + "gc/clock/"
 GC_MARKER_KEY = META_PREFIX + "gc/deleting.json"
 GC_HOLD_PREFIX = META_PREFIX + "gc/holds/"
 

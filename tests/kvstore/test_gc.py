@@ -30,7 +30,7 @@ from kvstore.gc import LISTING_RESOLUTION_S, GCReport, list_reports, run_gc
 from kvstore.layout import ACCESS_PREFIX, GC_REPORT_PREFIX
 from kvstore.lease import Lease, LeaseHeld, LeaseLost, read_lease
 from kvstore.stores import MemoryStore, ObjectStore
-from tests.helpers import FakeClock
+from tests.helpers import FakeClock, listed_older_than
 
 pytestmark = pytest.mark.integration
 
@@ -574,3 +574,37 @@ def test_a_chunk_key_too_long_for_the_node_cache_does_not_stop_gc(s3_store: Any,
         report = run_gc(s3_store, ttl_seconds=10, grace_seconds=0, cache=cache, now=t0 + 100)
     assert report.kept_pinned == 1 and report.deleted == 1
     assert present(s3_store) & set(keys) == {keys[0]}
+
+
+class SkewedTime:
+    """The `time` module of a host whose clock is `skew` seconds off the store's (everything else as is)."""
+
+    def __init__(self, skew: float) -> None:
+        self.skew = skew
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    def time(self) -> float:
+        return time.time() + self.skew
+
+
+def test_a_gc_host_an_hour_ahead_deletes_nothing_uploaded_seconds_ago(s3_store: Any) -> None:
+    keys = [chunk(9500 + i) for i in range(10)]
+    write_chunks(s3_store, keys)
+    with mock.patch.object(gc_module, "time", SkewedTime(3600)):
+        report = run_gc(s3_store, ttl_seconds=60, grace_seconds=600)
+    assert report.deleted == 0 and report.kept_young == 10, report
+    assert set(keys) <= present(s3_store)
+    assert report.clock_offset_s > 3500  # this host's clock ahead of the store's, as the report says
+
+
+def test_a_gc_host_an_hour_behind_still_deletes_what_is_idle(s3_store: Any) -> None:
+    keys = [chunk(9600 + i) for i in range(5)]
+    write_chunks(s3_store, keys)
+    listed_older_than(s3_store, keys, 2.5)  # past the grace period of 0 s and its one-second margin
+    with mock.patch.object(gc_module, "time", SkewedTime(-3600)):
+        report = run_gc(s3_store, ttl_seconds=0, grace_seconds=0)
+    assert report.deleted == 5 and report.kept_young == 0, report
+    assert not set(keys) & present(s3_store)
+    assert report.clock_offset_s < -3500
