@@ -13,8 +13,9 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -32,10 +33,18 @@ __all__ = [
     "EXIT_CONFIG",
     "EXIT_PROBLEMS",
     "EXIT_UNAVAILABLE",
+    "ModelPathOption",
+    "NamespaceOption",
+    "PromptOption",
+    "ServedModelOption",
+    "TokenIdsOption",
+    "VLLMUrlOption",
     "console",
     "err",
     "finite_seconds",
     "node_or_exit",
+    "one_source_or_exit",
+    "prompt_tokens",
     "say",
     "settings_or_exit",
     "store_or_exit",
@@ -54,6 +63,54 @@ def say(label: str, message: object = "", *, style: str = "red") -> None:
     if message != "":
         line.append(f": {message}")
     err.print(line)
+
+
+# -- options shared by the commands that name a prompt's chunks (`kvstore warm`, `kvstore pin add`) ----------
+
+NamespaceOption = Annotated[str, typer.Option(help="Namespace id (<model>_<sha12>, as in the bucket)")]
+TokenIdsOption = Annotated[str | None, typer.Option(help="Comma-separated token ids")]
+PromptOption = Annotated[
+    str | None, typer.Option(help="Prompt text, tokenized by the vLLM endpoint (or --model-path)")
+]
+ModelPathOption = Annotated[
+    Path | None, typer.Option(help="Tokenize --prompt with this model dir's tokenizer.json instead")
+]
+VLLMUrlOption = Annotated[
+    str | None, typer.Option(help="vLLM endpoint that tokenizes --prompt (default: the vllm_urls setting)")
+]
+ServedModelOption = Annotated[
+    str | None,
+    typer.Option("--served-model", "--model", help="Served model name at that endpoint (default: its first)"),
+]
+
+
+def one_source_or_exit(prompt: str | None, token_ids: str | None) -> None:
+    """Exactly one of --prompt and --token-ids, or exit code 2."""
+    if (prompt is None) == (token_ids is None):
+        say("give exactly one of --prompt or --token-ids")
+        raise typer.Exit(EXIT_CONFIG)
+
+
+def prompt_tokens(
+    *,
+    token_ids: str | None,
+    prompt: str | None,
+    model_path: Path | None,
+    urls: Sequence[str],
+    served_model: str | None,
+) -> list[int]:
+    """The token ids the options name: given, or the prompt tokenized by a model directory's tokenizer or by
+    the serving engine (the first of `urls` that serves `served_model`). `ValueError` for bad ids."""
+    from kvstore.prompts import tokens_from_prompt
+    from kvstore.vllm_api import tokenize_with
+
+    if token_ids is not None:
+        return [int(t) for t in token_ids.split(",") if t.strip()]
+    assert prompt is not None
+    if model_path is not None:
+        return tokens_from_prompt(model_path, prompt)
+    tokens, _ = tokenize_with(list(urls), prompt, served_model=served_model)
+    return tokens
 
 
 def settings_or_exit(**overrides: object) -> Settings:

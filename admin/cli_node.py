@@ -13,9 +13,16 @@ from kvstore.admin.cli_common import (
     EXIT_CONFIG,
     EXIT_PROBLEMS,
     EXIT_UNAVAILABLE,
+    ModelPathOption,
+    NamespaceOption,
+    PromptOption,
+    ServedModelOption,
+    TokenIdsOption,
     console,
     err,
     node_or_exit,
+    one_source_or_exit,
+    prompt_tokens,
     say,
     settings_or_exit,
     store_or_exit,
@@ -77,43 +84,28 @@ def stats(
 
 
 def warm(
-    namespace: Annotated[str, typer.Option(help="Namespace id (<model>_<sha12>, as in the bucket)")],
-    token_ids: Annotated[str | None, typer.Option(help="Comma-separated token ids")] = None,
-    prompt: Annotated[
-        str | None, typer.Option(help="Prompt text, tokenized by the vLLM endpoint (or --model-path)")
-    ] = None,
-    model_path: Annotated[
-        Path | None, typer.Option(help="Tokenize --prompt with this model dir's tokenizer.json instead")
-    ] = None,
+    namespace: NamespaceOption,
+    token_ids: TokenIdsOption = None,
+    prompt: PromptOption = None,
+    model_path: ModelPathOption = None,
     vllm_url: Annotated[
         str | None,
         typer.Option(help="vLLM endpoint that tokenizes and produces missing chunks (default: vllm_urls)"),
     ] = None,
-    model: Annotated[
-        str | None, typer.Option("--served-model", "--model", help="Served model name (default: the first)")
-    ] = None,
+    model: ServedModelOption = None,
     pin: Annotated[str | None, typer.Option(help="Also pin the chunks under this name")] = None,
 ) -> None:
     """Prefetch a prompt's chunks into this node's NVMe cache; have vLLM produce the missing ones."""
-    from kvstore.prompts import tokens_from_prompt
-    from kvstore.vllm_api import tokenize_with
     from kvstore.warm import warm as run_warm
 
-    if (prompt is None) == (token_ids is None):
-        say("give exactly one of --prompt or --token-ids")
-        raise typer.Exit(EXIT_CONFIG)
+    one_source_or_exit(prompt, token_ids)
     settings = settings_or_exit()
     urls = [vllm_url] if vllm_url else settings.vllm_urls
     node = node_or_exit(settings, "cannot open the node")
     try:
-        if token_ids is not None:
-            tokens = [int(t) for t in token_ids.split(",") if t.strip()]
-        elif model_path is not None:
-            assert prompt is not None
-            tokens = tokens_from_prompt(model_path, prompt)
-        else:
-            assert prompt is not None
-            tokens, _ = tokenize_with(urls, prompt, served_model=model)
+        tokens = prompt_tokens(
+            token_ids=token_ids, prompt=prompt, model_path=model_path, urls=urls, served_model=model
+        )
         report = run_warm(node, namespace, tokens, vllm_urls=urls, model=model, pin=pin)
     except (ValueError, ConfigError) as exc:
         say("bad arguments", exc)

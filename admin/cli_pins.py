@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -12,8 +11,16 @@ from rich.text import Text
 from kvstore.admin.cli_common import (
     EXIT_CONFIG,
     EXIT_PROBLEMS,
+    ModelPathOption,
+    NamespaceOption,
+    PromptOption,
+    ServedModelOption,
+    TokenIdsOption,
+    VLLMUrlOption,
     console,
     finite_seconds,
+    one_source_or_exit,
+    prompt_tokens,
     say,
     settings_or_exit,
     store_or_exit,
@@ -30,20 +37,12 @@ pin_app = typer.Typer(
 @pin_app.command("add")
 def pin_add(
     name: Annotated[str, typer.Argument(help="Pin name ([A-Za-z0-9._-], up to 128)")],
-    namespace: Annotated[str, typer.Option(help="Namespace id (<model>_<sha12>, as in the bucket)")],
-    prompt: Annotated[
-        str | None, typer.Option(help="Prompt text, tokenized by the vLLM endpoint (or --model-path)")
-    ] = None,
-    token_ids: Annotated[str | None, typer.Option(help="Comma-separated token ids")] = None,
-    vllm_url: Annotated[
-        str | None, typer.Option(help="vLLM endpoint that tokenizes --prompt (default: first of vllm_urls)")
-    ] = None,
-    served_model: Annotated[
-        str | None, typer.Option(help="Served model name at that endpoint (default: its first)")
-    ] = None,
-    model_path: Annotated[
-        Path | None, typer.Option(help="Tokenize --prompt with this model dir's tokenizer.json instead")
-    ] = None,
+    namespace: NamespaceOption,
+    prompt: PromptOption = None,
+    token_ids: TokenIdsOption = None,
+    vllm_url: VLLMUrlOption = None,
+    served_model: ServedModelOption = None,
+    model_path: ModelPathOption = None,
     ttl_seconds: Annotated[float | None, typer.Option(help="Expire the pin after this long")] = None,
 ) -> None:
     """Pin the chunks of a prompt (e.g. a system prompt) or of token ids, hashed like the namespace's
@@ -51,27 +50,22 @@ def pin_add(
     from kvstore.hashing import DEFAULT_HASH_ALGO, chunk_keys
     from kvstore.key_scheme import check_scheme
     from kvstore.pins import create_pin, load_namespace, present_chunks
-    from kvstore.prompts import tokens_from_prompt
-    from kvstore.vllm_api import tokenize_with
 
-    if (prompt is None) == (token_ids is None):
-        say("give exactly one of --prompt or --token-ids")
-        raise typer.Exit(EXIT_CONFIG)
+    one_source_or_exit(prompt, token_ids)
     finite_seconds("--ttl-seconds", ttl_seconds, positive=True)
     settings = settings_or_exit()
     with store_or_exit(settings, "cannot pin") as store:
         try:
             ns = load_namespace(store, namespace)
             scheme, warning = check_scheme(store, ns)
-            if token_ids is not None:
-                tokens = [int(t) for t in token_ids.split(",") if t.strip()]
-            elif model_path is not None:
-                assert prompt is not None
-                tokens = tokens_from_prompt(model_path, prompt)
-            else:
-                assert prompt is not None
-                urls = [vllm_url] if vllm_url else settings.vllm_urls
-                tokens, _ = tokenize_with(urls, prompt, served_model=served_model)
+            urls = [vllm_url] if vllm_url else settings.vllm_urls
+            tokens = prompt_tokens(
+                token_ids=token_ids,
+                prompt=prompt,
+                model_path=model_path,
+                urls=urls,
+                served_model=served_model,
+            )
             keys = chunk_keys(ns, tokens, algo=scheme.hash_algo or DEFAULT_HASH_ALGO)
             manifest = create_pin(store, name, ns, keys, ttl_seconds=ttl_seconds)
             present = present_chunks(store, manifest.keys)
