@@ -3,6 +3,13 @@
 Values come from, in order of precedence: explicit arguments, `KVSTORE_*` environment variables, a JSON or
 TOML config file named by `KVSTORE_CONFIG_FILE`, then defaults. Credentials come from the standard AWS
 variables and are never printed: `SecretStr` keeps them out of reprs and logs.
+
+The settings come in groups, each a model with its fields and their validators: `DataPathSettings` (stores,
+NVMe cache, threads, deadlines, codec, prefetch, regions, pin sync), `StoreCredentials`, `RoutingSettings`
+(what KV events tell routers), `AdminSettings` (the admin service, its vLLM endpoints, GC's events) and
+`LocalSettings` (the embedded server's data). `Settings` inherits them all, so names stay flat
+(`KVSTORE_<NAME>`, `<name>` in a config file) while a consumer names the group it needs, and a list of allowed
+names follows from the groups (`fields_of`: a vLLM tier entry takes `DataPathSettings` and `RoutingSettings`).
 """
 
 from __future__ import annotations
@@ -32,6 +39,24 @@ from pydantic_settings.exceptions import SettingsError
 
 from kvstore.chunk import Codec
 from kvstore.errors import ConfigError
+
+__all__ = [
+    "GROUPS",
+    "LOCAL_REGION",
+    "AdminSettings",
+    "DataPathSettings",
+    "GiB",
+    "LocalSettings",
+    "MiB",
+    "RoutingSettings",
+    "Settings",
+    "StoreCredentials",
+    "StoreSpec",
+    "default_data_dir",
+    "fields_of",
+    "load_settings",
+    "unknown_environment",
+]
 
 log = logging.getLogger(__name__)
 
@@ -142,21 +167,33 @@ def _one_spec(index: int, table: dict[str, Any]) -> StoreSpec:
         raise ValueError(f"element {index}: {problems}") from None
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="KVSTORE_", extra="forbid", populate_by_name=True)
+class _Group(BaseModel):
+    """What every settings group shares: names as they are (no aliases needed), nothing unknown, and the
+    rule for float settings (all of them are seconds)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @field_validator("*")
+    @classmethod
+    def _finite_seconds(cls, value: Any) -> Any:
+        # NaN passes every `< 0` check and inf stops a wait forever: refuse both for every float setting.
+        if isinstance(value, float) and not (math.isfinite(value) and 0 <= value <= MAX_SECONDS):
+            raise ValueError(
+                f"must be a finite number of seconds between 0 and {MAX_SECONDS:.0f}, got {value}"
+            )
+        return value
+
+
+class DataPathSettings(_Group):
+    """The data path: the object stores (one per region), the NVMe cache, threads, deadlines, the codec,
+    prefetching and pin sync. What a vLLM tier may set in its `secondary_tiers` entry, with `RoutingSettings`
+    (credentials are `StoreCredentials`, never a tier option)."""
 
     # Object store. Empty store_url means "the embedded local S3 server". A list names one store per region:
-    # the first is this region (read-write), the rest are read-only fallbacks (see `stores`).
+    # the first is this region (read-write), the rest are read-only fallbacks (see `Settings.stores`).
     store_url: str | list[StoreSpec] = ""
     s3_endpoint: str | None = Field(
         default=None, validation_alias=AliasChoices("s3_endpoint", "KVSTORE_S3_ENDPOINT", "AWS_ENDPOINT_URL")
-    )
-    access_key: SecretStr | None = Field(
-        default=None, validation_alias=AliasChoices("access_key", "KVSTORE_ACCESS_KEY", "AWS_ACCESS_KEY_ID")
-    )
-    secret_key: SecretStr | None = Field(
-        default=None,
-        validation_alias=AliasChoices("secret_key", "KVSTORE_SECRET_KEY", "AWS_SECRET_ACCESS_KEY"),
     )
     region: str | None = Field(
         default=None,
@@ -167,7 +204,6 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(default_factory=lambda: default_data_dir() / "cache")
     cache_bytes: int = 50 * GiB
 
-    # Data path.
     codec: Codec = Codec.NONE  # "none" or "zstd" in the environment and files
     upload_workers: int = 8
     io_workers: int = 16
@@ -193,25 +229,6 @@ class Settings(BaseSettings):
     remote_workers: int = 4
     remote_copy_queue_bytes: int = 256 * MiB
 
-    # Admin service.
-    admin_host: str = "127.0.0.1"
-    admin_port: int = 8750
-    admin_token: SecretStr | None = None
-    # Request limits of the admin API: a bigger body answers 413; a pin or warm request with more tokens, or
-    # whose tokens make more chunk keys (blocks to hash), answers 422. Memory and time per request follow.
-    admin_max_body_bytes: int = 4 * MiB
-    admin_max_tokens: int = 262_144
-    admin_max_chunks: int = 65_536
-    # GC publishes BlockRemoved here in vLLM's KV-event format (e.g. tcp://127.0.0.1:5557); empty = off.
-    events_endpoint: str = ""
-    # The locality KV events give a chunk's bucket copy (the tier's and GC's): REMOTE, reachable by every
-    # instance; LOCAL for routers that drop REMOTE events (see the README's router settings).
-    object_locality: str = "REMOTE"
-    # The vLLM OpenAI endpoints the admin service may call (tokenize, prefill); requests name a served model,
-    # never a URL. One URL or a JSON list in KVSTORE_VLLM_URLS (decoded by `_url_list`, not by pydantic).
-    vllm_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    data_dir: Path = Field(default_factory=default_data_dir)
-
     @field_validator("store_url", mode="before")
     @classmethod
     def _store_list(cls, value: Any) -> Any:
@@ -231,45 +248,12 @@ class Settings(BaseSettings):
             return _store_specs(value)
         raise ValueError("expected a store URL or a list of stores (URL strings or tables with 'url')")
 
-    @field_validator("object_locality")
+    # Validator names are unique across the groups: `Settings` inherits them all, and a name repeated in two
+    # groups would keep only one of the two.
+    @field_validator("cache_dir", mode="before")
     @classmethod
-    def _locality(cls, value: str) -> str:
-        if value not in ("LOCAL", "REMOTE"):
-            raise ValueError(f"must be 'LOCAL' or 'REMOTE' (vLLM's Locality), got {value!r}")
-        return value
-
-    @field_validator("vllm_urls", mode="before")
-    @classmethod
-    def _url_list(cls, value: Any) -> Any:
-        if not isinstance(value, str):
-            return value
-        # From the environment or a tool's option: a JSON list, one URL, or nothing.
-        if not value.lstrip().startswith("["):
-            return [value] if value.strip() else []
-        try:
-            return json.loads(value)
-        except ValueError as exc:
-            raise ValueError(f"looks like a JSON list of URLs but does not parse: {exc}") from None
-
-    @field_validator("cache_dir", "data_dir", mode="before")
-    @classmethod
-    def _named_directory(cls, value: Any) -> Any:
-        # `Path("")` is the working directory: an empty variable must not put the cache wherever a tool runs.
-        if isinstance(value, str | Path) and not str(value).strip():
-            raise ValueError("must not be empty (unset it for the default, or name a directory)")
-        return value
-
-    @field_validator("vllm_urls")
-    @classmethod
-    def _http_urls(cls, value: list[str]) -> list[str]:
-        out = []
-        for url in value:
-            url = url.strip().rstrip("/")
-            scheme, sep, rest = url.partition("://")
-            if scheme not in ("http", "https") or not sep or not rest.split("/", 1)[0]:
-                raise ValueError(f"each URL must be http(s)://host[:port][/path], got {url!r}")
-            out.append(url)
-        return out
+    def _cache_dir_not_empty(cls, value: Any) -> Any:
+        return _not_empty_path(value)
 
     @field_validator("pin_sync_s", "prefetch_bytes")
     @classmethod
@@ -299,6 +283,83 @@ class Settings(BaseSettings):
             raise ValueError("must be at least 1")
         return value
 
+    @field_validator("codec", mode="before")
+    @classmethod
+    def _codec_by_name(cls, value: object) -> object:
+        return Codec.parse(value) if isinstance(value, str) else value
+
+
+class StoreCredentials(_Group):
+    """The S3 credentials of the stores that name none of their own: from the standard AWS variables (or
+    `KVSTORE_ACCESS_KEY` / `KVSTORE_SECRET_KEY`), never a tier option, never printed (`SecretStr`)."""
+
+    access_key: SecretStr | None = Field(
+        default=None, validation_alias=AliasChoices("access_key", "KVSTORE_ACCESS_KEY", "AWS_ACCESS_KEY_ID")
+    )
+    secret_key: SecretStr | None = Field(
+        default=None,
+        validation_alias=AliasChoices("secret_key", "KVSTORE_SECRET_KEY", "AWS_SECRET_ACCESS_KEY"),
+    )
+
+
+class RoutingSettings(_Group):
+    """What routers are told: the locality of a chunk's bucket copy in KV events (the tier's and GC's)."""
+
+    # REMOTE, reachable by every instance; LOCAL for routers that drop REMOTE events (see the README's router
+    # settings).
+    object_locality: str = "REMOTE"
+
+    @field_validator("object_locality")
+    @classmethod
+    def _locality(cls, value: str) -> str:
+        if value not in ("LOCAL", "REMOTE"):
+            raise ValueError(f"must be 'LOCAL' or 'REMOTE' (vLLM's Locality), got {value!r}")
+        return value
+
+
+class AdminSettings(_Group):
+    """The admin service: where it listens, its token and request limits, the vLLM endpoints it may call and
+    where GC publishes its events."""
+
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 8750
+    admin_token: SecretStr | None = None
+    # Request limits of the admin API: a bigger body answers 413; a pin or warm request with more tokens, or
+    # whose tokens make more chunk keys (blocks to hash), answers 422. Memory and time per request follow.
+    admin_max_body_bytes: int = 4 * MiB
+    admin_max_tokens: int = 262_144
+    admin_max_chunks: int = 65_536
+    # GC publishes BlockRemoved here in vLLM's KV-event format (e.g. tcp://127.0.0.1:5557); empty = off.
+    events_endpoint: str = ""
+    # The vLLM OpenAI endpoints the admin service may call (tokenize, prefill); requests name a served model,
+    # never a URL. One URL or a JSON list in KVSTORE_VLLM_URLS (decoded by `_url_list`, not by pydantic).
+    vllm_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
+
+    @field_validator("vllm_urls", mode="before")
+    @classmethod
+    def _url_list(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        # From the environment or a tool's option: a JSON list, one URL, or nothing.
+        if not value.lstrip().startswith("["):
+            return [value] if value.strip() else []
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"looks like a JSON list of URLs but does not parse: {exc}") from None
+
+    @field_validator("vllm_urls")
+    @classmethod
+    def _http_urls(cls, value: list[str]) -> list[str]:
+        out = []
+        for url in value:
+            url = url.strip().rstrip("/")
+            scheme, sep, rest = url.partition("://")
+            if scheme not in ("http", "https") or not sep or not rest.split("/", 1)[0]:
+                raise ValueError(f"each URL must be http(s)://host[:port][/path], got {url!r}")
+            out.append(url)
+        return out
+
     @field_validator("admin_port")
     @classmethod
     def _tcp_port(cls, value: int) -> int:
@@ -313,20 +374,47 @@ class Settings(BaseSettings):
             raise ValueError("must be at least 1")
         return value
 
-    @field_validator("*")
-    @classmethod
-    def _finite_seconds(cls, value: Any) -> Any:
-        # NaN passes every `< 0` check and inf stops a wait forever: refuse both for every float setting.
-        if isinstance(value, float) and not (math.isfinite(value) and 0 <= value <= MAX_SECONDS):
-            raise ValueError(
-                f"must be a finite number of seconds between 0 and {MAX_SECONDS:.0f}, got {value}"
-            )
-        return value
 
-    @field_validator("codec", mode="before")
+class LocalSettings(_Group):
+    """This machine's own data: where the embedded S3 server keeps its bucket when no store is configured."""
+
+    data_dir: Path = Field(default_factory=default_data_dir)
+
+    @field_validator("data_dir", mode="before")
     @classmethod
-    def _codec_by_name(cls, value: object) -> object:
-        return Codec.parse(value) if isinstance(value, str) else value
+    def _data_dir_not_empty(cls, value: Any) -> Any:
+        return _not_empty_path(value)
+
+
+def _not_empty_path(value: Any) -> Any:
+    # `Path("")` is the working directory: an empty variable must not put data wherever a tool runs.
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("must not be empty (unset it for the default, or name a directory)")
+    return value
+
+
+GROUPS: tuple[type[BaseModel], ...] = (
+    DataPathSettings,
+    StoreCredentials,
+    RoutingSettings,
+    AdminSettings,
+    LocalSettings,
+)
+
+
+def fields_of(*groups: type[BaseModel]) -> frozenset[str]:
+    """The setting names of `groups`: e.g. what a vLLM tier entry may set is
+    `fields_of(DataPathSettings, RoutingSettings)`."""
+    return frozenset(name for group in groups for name in group.model_fields)
+
+
+class Settings(
+    BaseSettings, DataPathSettings, StoreCredentials, RoutingSettings, AdminSettings, LocalSettings
+):
+    """Every setting, from the groups above: flat names (`KVSTORE_<NAME>` in the environment, `<name>` in a
+    config file) whatever group a setting belongs to; a consumer that needs one part names its group."""
+
+    model_config = SettingsConfigDict(env_prefix="KVSTORE_", extra="forbid", populate_by_name=True)
 
     @classmethod
     def settings_customise_sources(

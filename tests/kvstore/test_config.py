@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -313,3 +314,68 @@ def test_an_empty_directory_setting_is_an_error_not_the_working_directory(
         load_settings()
     with pytest.raises(ConfigError, match=f"{name}.*must not be empty"):
         load_settings(**{name: value})
+
+
+# -- the groups -------------------------------------------------------------------------------------------
+
+
+def test_every_setting_belongs_to_exactly_one_group() -> None:
+    from kvstore.config import GROUPS, Settings
+
+    names = [name for group in GROUPS for name in group.model_fields]
+    assert len(names) == len(set(names)) and set(names) == set(Settings.model_fields)
+
+
+def test_each_groups_validators_apply_to_settings() -> None:
+    from kvstore.config import GROUPS, Settings
+
+    def function(decorator: Any) -> Any:
+        return getattr(decorator.func, "__func__", decorator.func)  # classmethods come bound to their class
+
+    inherited = Settings.__pydantic_decorators__.field_validators
+    for group in GROUPS:
+        for name, decorator in group.__pydantic_decorators__.field_validators.items():
+            assert function(inherited[name]) is function(decorator), f"{group.__name__}.{name} is shadowed"
+
+
+def test_a_vllm_tier_takes_the_data_path_and_routing_groups() -> None:
+    from kvstore.config import DataPathSettings, RoutingSettings, fields_of
+
+    tier = fields_of(DataPathSettings, RoutingSettings)
+    assert tier == {
+        "store_url", "s3_endpoint", "region", "cache_dir", "cache_bytes", "codec", "upload_workers",
+        "io_workers", "disk_workers", "direct_io", "load_timeout_s", "probe_hit_ttl_s", "probe_miss_ttl_s",
+        "outage_cooldown_s", "prefetch_bytes", "pin_sync_s", "remote_timeout_s", "remote_cooldown_s",
+        "remote_workers", "remote_copy_queue_bytes", "object_locality",
+    }  # fmt: skip
+    assert not tier & {"access_key", "secret_key", "admin_token"}  # no secret is a tier option
+
+
+def test_a_group_validates_on_its_own() -> None:
+    from pydantic import ValidationError
+
+    from kvstore.config import AdminSettings, DataPathSettings, LocalSettings, RoutingSettings
+
+    assert DataPathSettings(cache_bytes=5, codec="zstd").codec.name == "ZSTD"
+    assert AdminSettings(vllm_urls="http://x/").vllm_urls == ["http://x"]
+    for group, bad in [
+        (DataPathSettings, {"cache_bytes": 0}),
+        (DataPathSettings, {"load_timeout_s": float("nan")}),
+        (DataPathSettings, {"cache_dir": ""}),
+        (AdminSettings, {"admin_port": 0}),
+        (RoutingSettings, {"object_locality": "NEAR"}),
+        (LocalSettings, {"data_dir": " "}),
+        (DataPathSettings, {"admin_port": 1}),  # another group's setting
+    ]:
+        with pytest.raises(ValidationError):
+            group(**bad)
+
+
+def test_settings_are_read_by_group(clean_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.config import AdminSettings, DataPathSettings
+
+    monkeypatch.setenv("KVSTORE_CACHE_BYTES", "777")
+    monkeypatch.setenv("KVSTORE_ADMIN_PORT", "9999")
+    settings = load_settings()
+    assert isinstance(settings, DataPathSettings) and isinstance(settings, AdminSettings)
+    assert settings.cache_bytes == 777 and settings.admin_port == 9999
