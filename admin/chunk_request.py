@@ -117,7 +117,9 @@ class PinIn(BaseModel):
     # `vllm_url` or a `model_path` (which this service no longer takes) is a 422, never silently ignored.
     model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_ONE_OF_EACH)
 
-    name: str = Field(max_length=128, json_schema_extra=PIN_NAME_SCHEMA)
+    name: Annotated[str, AfterValidator(_valid_text)] = Field(
+        max_length=128, json_schema_extra=PIN_NAME_SCHEMA
+    )
     namespace: str | None = Field(
         default=None, max_length=213, json_schema_extra={"pattern": f"^{NAMESPACE_ID_PATTERN}$"}
     )
@@ -132,7 +134,7 @@ class PinIn(BaseModel):
     parallel_agnostic: bool = False
     blocks_per_chunk: PositiveJsonInt = 1
     token_ids: list[JsonInt] | None = None
-    prompt: str | None = Field(default=None, min_length=1)
+    prompt: Annotated[str, AfterValidator(_valid_text)] | None = Field(default=None, min_length=1)
     messages: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = False  # for `messages`: a pin wants the shared head, without one
     served_model: ModelName | None = None

@@ -42,7 +42,7 @@ class WarmIn(PinIn):  # type: ignore[misc,unused-ignore]
     serving `served_model`. `pin` names a pin manifest to write for the chunks (`ttl_seconds` is its TTL);
     `name` is not used."""
 
-    name: str = Field(default="", description="unused by /v1/warm (see 'pin')")
+    name: str = Field(default="", max_length=128, description="unused by /v1/warm (see 'pin')")
     produce: bool = True
     prefetch: bool = True
     pin: str | None = Field(default=None, json_schema_extra=PIN_NAME_SCHEMA)

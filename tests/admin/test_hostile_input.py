@@ -18,6 +18,7 @@ from kvstore.cache.records import MAX_KEY_BYTES
 from kvstore.keys import KVCacheGroup, Namespace
 from kvstore.layout import PIN_PREFIX
 from kvstore.runtime import Node
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +33,10 @@ LONE = "\ud800"  # a lone surrogate: a Python str, but no valid UTF-8 encodes it
 @pytest.fixture
 def node(s3_server: Any, s3_store: Any, open_test_node: Callable[..., Node]) -> Node:
     url = f"s3://{s3_store.bucket}/{s3_store.prefix}"
-    opened = open_test_node(s3_server, url, cache_bytes=4 << 20, admin_token=TOKEN)
+    # A vLLM endpoint is configured (nothing listens there): a prompt would go there, and must not get so far.
+    opened = open_test_node(
+        s3_server, url, cache_bytes=4 << 20, admin_token=TOKEN, vllm_urls=[f"http://127.0.0.1:{free_port()}"]
+    )
     opened.store.put(NS.config_key, json.dumps(NS.fields()).encode())
     return opened
 
@@ -130,11 +134,12 @@ def test_a_manifest_stored_with_bad_text_is_skipped_not_a_500_for_everyone(
     assert manifests(node) == [f"{PIN_PREFIX}good.json"]
 
 
+@pytest.mark.parametrize("route", ["/v1/pins", "/v1/warm"])
 def test_a_model_name_too_long_for_the_cache_keys_is_refused_naming_the_limit(
-    client: TestClient, node: Node
+    client: TestClient, node: Node, route: str
 ) -> None:
     # 200 characters pass the model name's own bound, but three bytes each make 600-byte keys.
-    answer = post(client, "/v1/pins", {**BY_MODEL, "model": "\u20ac" * 200})
+    answer = post(client, route, {**BY_MODEL, "model": "\u20ac" * 200})
     assert answer.status_code == 422, answer.text
     assert f"{MAX_KEY_BYTES}-byte" in answer.json()["detail"]
     assert manifests(node) == []
