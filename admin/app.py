@@ -1,7 +1,7 @@
 """The admin HTTP service: a FastAPI app built by `create_app(node)`, so tests build apps with their own node.
 
-Routes here: `/healthz` (store and cache reachability; the store is checked in the background, so it answers
-within two seconds whatever the store does) and `/metrics` (Prometheus), open to all; the `/v1`
+Routes here: `/healthz` (store and cache reachability, the node agent; the store is checked in the background,
+so it answers within two seconds whatever the store does) and `/metrics` (Prometheus), open to all; the `/v1`
 resource routers (`routes_gc`, `routes_jobs`, `routes_pins`, `routes_warm`, `routes_stats`) require the admin
 bearer token when one is configured. What they share is built here once and stored on `app.state`; routes
 receive it through the dependencies of `kvstore.admin.deps`.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,6 +31,8 @@ from kvstore.admin.jobs import JobRegistry
 from kvstore.admin.limits import BodyLimit, http_error, safe_text, validation_error
 from kvstore.admin.openapi import errors
 from kvstore.admin.status import Refreshed, Snapshot
+from kvstore.agent.supervisor import agent_status
+from kvstore.cache import NVMeCache
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.events import open_publisher
 from kvstore.pin_sync import PinSyncLoop
@@ -55,6 +58,26 @@ def store_health(snapshot: Snapshot[None], url: str) -> dict[str, Any]:
     if snapshot.error is not None:
         return {**out, "ok": False, "error": str(snapshot.error)}
     return {**out, "ok": True}
+
+
+def agent_health(cache: NVMeCache) -> dict[str, Any]:
+    """The node agent's part of `/healthz`: whether one runs, and what waits for it (the upload journal)."""
+    status = agent_status(cache.directory)
+    out: dict[str, Any] = {"ok": status.running and not status.hung, "running": status.running}
+    if status.running:
+        out.update(pid=status.pid, hung=status.hung)
+        if status.heartbeat_age_s is not None:
+            out["heartbeat_s_ago"] = round(status.heartbeat_age_s, 1)
+    else:
+        out["error"] = "no node agent runs: uploads wait in the journal (start `kvstore agent`)"
+    try:
+        backlog = cache.backlog()
+        out["upload_backlog_chunks"] = backlog.chunks
+        if backlog.oldest_queued_ns:
+            out["upload_backlog_oldest_s"] = round(max(0.0, time.time() - backlog.oldest_queued_ns / 1e9), 1)
+    except KVStoreError as exc:
+        out["upload_backlog_error"] = str(exc)
+    return out
 
 
 def create_app(node: Node) -> FastAPI:
@@ -121,6 +144,7 @@ def create_app(node: Node) -> FastAPI:
             }
         except KVStoreError as exc:
             checks["cache"] = {"ok": False, "error": str(exc)}
+        checks["agent"] = agent_health(node.cache)
         healthy = all(c["ok"] for c in checks.values())
         return JSONResponse({"ok": healthy, **checks}, status_code=200 if healthy else 503)
 

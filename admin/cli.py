@@ -10,17 +10,18 @@ import sys
 
 import typer
 
-from kvstore.admin import cli_gc, cli_node, cli_service
+from kvstore.admin import cli_agent, cli_gc, cli_node, cli_service
 from kvstore.admin.cli_common import EXIT_CONFIG, EXIT_UNAVAILABLE, say
 from kvstore.admin.cli_pins import pin_app
 from kvstore.connector.bench.cli import bench_app
 from kvstore.errors import ConfigError, KVStoreError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Object-storage-first KV cache for vLLM.")
-# One module per command group: the service (cli_service), this node (cli_node), pins (cli_pins), GC (cli_gc),
-# benchmarks (kvstore.connector.bench.cli).
+# One module per command group: the service (cli_service), the node agent (cli_agent), this node (cli_node),
+# pins (cli_pins), GC (cli_gc), benchmarks (kvstore.connector.bench.cli).
 app.command()(cli_service.serve)
 app.command()(cli_service.demo)
+app.command()(cli_agent.agent)
 app.command()(cli_node.fsck)
 app.add_typer(pin_app, name="pin")
 app.command()(cli_node.stats)

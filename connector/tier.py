@@ -17,7 +17,9 @@ off-thread (`tolerates_off_thread_polling`): it serves no counterpart between st
 Loads and stores run on the tier's job threads; each job is reported exactly once through
 `get_finished_jobs()`, with its bytes and seconds. Nothing raises into vLLM: a failing store or disk becomes a
 miss, a failed job and a metric; so does a chunk id outside the primary region. A chunk that fails to load is
-marked missing, so the scheduler does not ask for it again and again.
+marked missing by the engine, so the scheduler does not ask for it again and again. Uploads, admission of
+object hits to NVMe, eviction, access records and pin sync are the node agent's (`kvstore.agent`), in a
+process of its own at idle priority, which the tier starts when the node has none (option `agent`).
 
 KV events give each copy its own residency, keyed like vLLM's event tracker on (medium, ownership): the NVMe
 copy as ownership `KVStoreTier/nvme` with the configured `locality` (default LOCAL), the bucket copy as
@@ -54,7 +56,6 @@ from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvstore.access import AccessRecorder
 from kvstore.config import load_settings
 from kvstore.connector.engine_keys import engine_scheme, publish_namespace
 from kvstore.connector.jobs import JobThreads
@@ -65,8 +66,7 @@ from kvstore.errors import ConfigError
 from kvstore.key_scheme import KeyScheme
 from kvstore.keys import Namespace
 from kvstore.metrics import EngineMetrics
-from kvstore.pin_sync import PinSyncLoop
-from kvstore.runtime import Node, open_node
+from kvstore.runtime import AgentMode, Node, open_node
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -104,12 +104,14 @@ _TIER_OPTIONS = {
     "enable_kv_events",
     "locality",
     "job_workers",
-    "access_records",
-    "access_flush_s",
+    "agent",
     "gil_switch_interval_s",
     "stats_interval_s",
     "job_batch_chunks",
 }
+# `agent`: "auto" (default) starts the node agent when none runs on this cache directory; "external" leaves it
+# to the operator (`kvstore agent` in a DaemonSet container or a systemd unit).
+_AGENT_CHOICES: dict[str, AgentMode] = {"auto": "spawn", "external": "none"}
 
 
 _CHUNK_KEY_MEMO = 262_144
@@ -202,17 +204,20 @@ class KVStoreTier(SecondaryTierManager):
         )
         self.namespace = Namespace.from_fields(mapper.get_run_config(), rank=mapper.rank)
 
+        agent = str(options.get("agent", "auto"))
+        if agent not in _AGENT_CHOICES:
+            raise ConfigError(f"KVStoreTier: agent must be one of {', '.join(_AGENT_CHOICES)}, got {agent!r}")
         # A registry of our own: the engine process may not export the global one, and tests run several.
+        # The node agent (uploads, admission, eviction, access records, pin sync) runs in a process of its
+        # own at idle priority: this one keeps only what a waiting request needs.
         self._node: Node = open_node(
             settings,
             metrics=EngineMetrics(CollectorRegistry()),
             check_store=False,
             element_width=self.namespace.element_width,
+            agent=_AGENT_CHOICES[agent],
         )
         self._engine = self._node.engine
-        # Pins made anywhere in the fleet reach this node's cache (and stay out of its eviction).
-        node, interval = self._node, settings.pin_sync_s
-        self._pin_sync = PinSyncLoop(node.cache, node.store, interval) if interval else None
         self._slots = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view
         # Job threads: `job_workers` per kind (default 1), each running what waits in its queue as one batch.
         # More job threads only made them compete for the GIL with each other and with the scheduler thread
@@ -233,16 +238,12 @@ class KVStoreTier(SecondaryTierManager):
             bool(options.get("enable_kv_events")) and offloading_spec.kv_events_config.enable_kv_cache_events
         )
         self._events_enabled = events_on
-        self._access = (
-            AccessRecorder(self._node.store, interval_s=float(options.get("access_flush_s", 60.0)))
-            if options.get("access_records", True)
-            else None
-        )
         self._scheme: KeyScheme | None = None  # the engine's, once vLLM has set NONE_HASH
         self._stopping = threading.Event()
         self._store_url = self._node.store.url
         self._codec = settings.codec.name.lower()
         self._cache_bytes = settings.cache_bytes
+        self._shut_down = False
         self._publisher = threading.Thread(
             target=self._publish_namespace, name="kvstore-tier-namespace", daemon=True
         )
@@ -307,10 +308,7 @@ class KVStoreTier(SecondaryTierManager):
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        chunks = [self.namespace.chunk_key(k) for k in keys]
-        self._engine.touch(chunks)
-        if self._access is not None:
-            self._access.record(chunks)
+        self._engine.touch([self.namespace.chunk_key(k) for k in keys])
 
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
@@ -345,23 +343,20 @@ class KVStoreTier(SecondaryTierManager):
 
     @override
     def shutdown(self) -> None:
+        """Stop the tier (a second call does nothing). Every store job reported done is on NVMe; what
+        waits for upload stays in the node's journal, which the node agent drains."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         self._stopping.set()
         self._jobs.close()
         if self._switched:
             sys.setswitchinterval(self._normal_switch)
         self._stats.close()
-        if self._access is not None:
-            self._access.close()
-        if self._pin_sync is not None:
-            self._pin_sync.stop()
-        report = self._engine.close(flush=True, timeout=10.0)
+        report = self._engine.close()
         if report.not_uploaded:
-            log.warning(
-                "KVStoreTier: %d chunks wait in the NVMe upload journal; the next start uploads them",
-                report.not_uploaded,
-            )
-        self._node.cache.close()
-        self._node.store.close()
+            log.info("KVStoreTier: %d chunks wait in the node's upload journal", report.not_uploaded)
+        self._node.close()
         # vLLM unmaps the primary region next: no view of ours may outlive this call, including slices
         # kept alive only by reference cycles (exception tracebacks, closures of finished jobs).
         gc.collect()
@@ -426,11 +421,6 @@ class KVStoreTier(SecondaryTierManager):
         elapsed = time.perf_counter() - start
         for job, job_items in runnable:
             good = [next(ok) for _ in job_items]
-            for (chunk, _), fine in zip(job_items, good, strict=True):
-                if not fine:
-                    self._engine.mark_missing(chunk)
-            if self._access is not None:
-                self._access.record(c for (c, _), fine in zip(job_items, good, strict=True) if fine)
             loaded = [k for k, fine in zip(job.keys, good, strict=True) if fine]
             nbytes = len(loaded) * self.block_size_bytes
             complete = len(loaded) == len(job_items)
@@ -451,8 +441,6 @@ class KVStoreTier(SecondaryTierManager):
         runnable, results = self._with_slots(jobs)
         items = [item for _, job_items in runnable for item in job_items]
         kept = iter(self._engine.store_many(items).kept_each) if items else iter(())
-        if self._access is not None:
-            self._access.record(c for c, _ in items)
         elapsed = time.perf_counter() - start
         for job, job_items in runnable:
             stored = all([next(kept) for _ in job_items])

@@ -63,5 +63,9 @@ class CacheError(KVStoreError):
     """The local NVMe cache cannot be used (unwritable directory, incompatible index, ...)."""
 
 
+class CacheFull(CacheError):
+    """The cache's filesystem has no room for a chunk file (ENOSPC, a quota): make room, then try again."""
+
+
 class CacheClosed(CacheError):
     """The cache was closed: whoever still holds it (a background loop after shutdown) should stop."""

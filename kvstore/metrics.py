@@ -136,6 +136,16 @@ class EngineMetrics:
             "kvstore:object_store_up", "1 while the object store answers, else 0", registry=registry
         )
         self.object_store_up.set(1)
+        self.agent_up = Gauge(
+            "kvstore:agent_up",
+            "1 while the node agent runs (uploads, admission, eviction), 0 when none does",
+            registry=registry,
+        )
+        self.agent_hints_dropped = Counter(
+            "kvstore:agent_hints_dropped",
+            "Hints (chunks used, object hits to admit) an engine could not hand to the node agent",
+            registry=registry,
+        )
         # Multi-region (see kvstore.stores.regions): label `region` is the region's configured name.
         self.region_hits = Counter(
             "kvstore:region_hits",

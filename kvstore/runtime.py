@@ -1,5 +1,6 @@
-"""Open the pieces of a node from settings: the object store (embedded if none is configured), the NVMe cache
-and the engine. The CLI, the admin service and the vLLM tier all start here, so they agree on every name."""
+"""Open the pieces of a node from settings: the object store (embedded if none is configured), the NVMe cache,
+the engine, and the node agent's part in it. The CLI, the admin service and the vLLM tier all start here, so
+they agree on every name."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+from kvstore.agent.node_agent import AgentAlreadyRunning, NodeAgent
+from kvstore.agent.supervisor import AgentWatch, spawn_agent
+from kvstore.agent.uploads import wait_uploaded
 from kvstore.cache import NVMeCache
 from kvstore.config import LOCAL_REGION, Settings, StoreSpec
 from kvstore.embedded import SeaweedServer, ensure_embedded_server
@@ -20,20 +24,42 @@ from kvstore.stores import ObjectStore, RegionalStore, open_store
 log = logging.getLogger(__name__)
 
 EMBEDDED_BUCKET = "kvstore"
+# How the node's background work gets done for a node opened here: "spawn" (the vLLM tier: make sure an
+# agent process runs, starting one if needed), "host" (run the agent in this process unless one runs
+# already: the admin service, tools that store, tests), "none" (nothing: read-only tools).
+AgentMode = Literal["spawn", "host", "none"]
+# An agent an engine started exits once no engine has used the cache this long and nothing waits.
+SPAWNED_AGENT_IDLE_EXIT_S = 30.0
 
 
 @dataclass
 class Node:
-    """What one process holds open: the store, the cache, the engine, and the embedded server if any."""
+    """What one process holds open: the store, the cache, the engine, the agent it hosts (if any), and the
+    embedded server (if any)."""
 
     settings: Settings
     store: ObjectStore
     cache: NVMeCache
     engine: TieredStore
     embedded: SeaweedServer | None = None
+    agent: NodeAgent | None = None
+    _agent_threads: EngineThreads | None = None
+    _closed: bool = False
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until the node's upload journal is empty (the agent uploads it); False on timeout."""
+        return wait_uploaded(self.cache, timeout)
 
     def close(self) -> None:
+        """Close everything (idempotent). Chunks still waiting for upload stay in the journal."""
+        if self._closed:
+            return
+        self._closed = True
         self.engine.close()
+        if self.agent is not None:
+            self.agent.stop()
+        if self._agent_threads is not None:
+            self._agent_threads.join(10.0)
         self.cache.close()
         self.store.close()
         if self.embedded is not None:
@@ -116,9 +142,11 @@ def open_node(
     metrics: EngineMetrics | None = None,
     check_store: bool = True,
     element_width: int = 2,
+    agent: AgentMode = "host",
 ) -> Node:
-    """Open store, cache and engine. `element_width` is the KV dtype's size in bytes (the zstd codec's
-    byte-shuffle width; the vLLM tier passes its namespace's).
+    """Open store, cache and engine, and see to the node agent as ``agent`` says (see `AgentMode`).
+    `element_width` is the KV dtype's size in bytes (the zstd codec's byte-shuffle width; the vLLM tier
+    passes its namespace's).
 
     `check_store=False` tolerates an unreachable store (the vLLM tier must start and serve from NVMe or
     recompute while S3 is down); bad credentials or a missing bucket still fail."""
@@ -137,15 +165,19 @@ def open_node(
         if server is not None:
             server.stop()
         raise
-    threads = EngineThreads(
-        io_workers=settings.io_workers,
-        disk_workers=settings.disk_workers,
-        upload_workers=settings.upload_workers,
-    )
+    hosted, agent_threads = _host_agent(settings, cache, store, metrics) if agent == "host" else (None, None)
+    watch = None
+    if agent == "spawn":
+        watch = AgentWatch(
+            settings.cache_dir,
+            start=lambda: spawn_agent(settings, exit_when_idle_s=SPAWNED_AGENT_IDLE_EXIT_S),
+        )
+    elif agent == "host":
+        watch = AgentWatch(settings.cache_dir)
     engine = TieredStore(
         store,
         cache,
-        threads=threads,
+        threads=_threads(settings),
         codec=settings.codec,
         element_width=element_width,
         load_timeout_s=settings.load_timeout_s,
@@ -154,8 +186,54 @@ def open_node(
         outage_cooldown_s=settings.outage_cooldown_s,
         prefetch_bytes=settings.prefetch_bytes,
         metrics=metrics,
+        agent=watch,
+        # A process that hosts the agent writes its figures to the index itself; the agent shares its
+        # metrics and publishes none of its own.
+        counters_sink=cache.add_counters if hosted is not None else None,
     )
-    return Node(settings=settings, store=store, cache=cache, engine=engine, embedded=server)
+    if watch is not None:
+        watch.check()  # in spawn mode: the first engine on the node starts the agent now
+    return Node(
+        settings=settings,
+        store=store,
+        cache=cache,
+        engine=engine,
+        embedded=server,
+        agent=hosted,
+        _agent_threads=agent_threads,
+    )
+
+
+def _threads(settings: Settings) -> EngineThreads:
+    return EngineThreads(
+        io_workers=settings.io_workers,
+        disk_workers=settings.disk_workers,
+        upload_workers=settings.upload_workers,
+    )
+
+
+def _host_agent(
+    settings: Settings, cache: NVMeCache, store: ObjectStore, metrics: EngineMetrics
+) -> tuple[NodeAgent | None, EngineThreads | None]:
+    """The node agent, run by this process unless another process already runs it."""
+    threads = _threads(settings)
+    agent = NodeAgent(
+        cache,
+        store,
+        metrics=metrics,
+        threads=threads,
+        outage_cooldown_s=settings.outage_cooldown_s,
+        pin_sync_s=settings.pin_sync_s,
+        idle_priority=False,
+        publish_counters=False,
+    )
+    try:
+        agent.start(wait_s=0.5)
+    except AgentAlreadyRunning:
+        log.info("a node agent already runs for %s: this process hosts none", settings.cache_dir)
+        threads.join(0)
+        return None, None
+    return agent, threads
 
 
 def open_cache(settings: Settings) -> NVMeCache:
@@ -190,8 +268,10 @@ def store_and_cache(settings: Settings) -> Iterator[StoreAndCache]:
 
 
 @contextlib.contextmanager
-def node(settings: Settings, *, metrics: EngineMetrics | None = None) -> Iterator[Node]:
-    opened = open_node(settings, metrics=metrics)
+def node(
+    settings: Settings, *, metrics: EngineMetrics | None = None, agent: AgentMode = "host"
+) -> Iterator[Node]:
+    opened = open_node(settings, metrics=metrics, agent=agent)
     try:
         yield opened
     finally:

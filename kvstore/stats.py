@@ -1,6 +1,6 @@
-"""One node's figures in one dict: tier hit rates (node-wide: every process on the node publishes its own into
-the cache index, see `kvstore.engine.counters`), NVMe usage, upload backlog, bucket size, pins, last GC, and
-with several regions, each region's reachability and traffic.
+"""One node's figures in one dict: tier hit rates (node-wide: every process on the node publishes its own
+into the cache index, see `kvstore.engine.node_counters`), NVMe usage, upload backlog, the node agent, bucket
+size, pins, last GC, and with several regions, each region's reachability and traffic.
 
 `node_stats` backs `GET /v1/stats` and `kvstore stats`. Every section is computed independently: a store that
 is down turns its sections into `{"error": ...}` instead of failing the whole answer. Counting the bucket
@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from kvstore.cache import NVMeCache
-from kvstore.engine.counters import FIELDS, counter_name
+from kvstore.engine.node_counters import FIELDS, counter_name
 from kvstore.errors import KVStoreError
 from kvstore.gc import list_reports
 from kvstore.layout import is_chunk_key

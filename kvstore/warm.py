@@ -5,7 +5,8 @@
 that matches none of them is refused), then for each chunk:
 
 - already on this node (NVMe or the upload queue): nothing to do;
-- in the bucket only: with `prefetch`, GET it, verify it and write it to this node's NVMe now (`prefetch`);
+- in the bucket only: with `prefetch`, GET it, verify it and write it to this node's NVMe now (`prefetch`,
+  through the node agent's admission path, `kvstore.agent.admission`);
 - nowhere: with a vLLM endpoint (`kvstore.vllm_api`), one completion request (`max_tokens=1`) makes an engine
   running our tier
   compute the prompt's KV and store it; the tier uploads write-behind, so the bucket is polled until the
@@ -28,8 +29,8 @@ from typing import Any
 
 import httpx
 
-from kvstore.engine import TieredStore
-from kvstore.engine.probes import Presence
+from kvstore.agent.admission import fetch_into_cache
+from kvstore.engine import Presence
 from kvstore.errors import ConfigError, KVStoreError, StoreError
 from kvstore.hashing import DEFAULT_HASH_ALGO, chunk_keys
 from kvstore.key_scheme import check_scheme
@@ -82,12 +83,16 @@ class WarmReport:
         return out
 
 
-def prefetch(engine: TieredStore, keys: Sequence[str], *, cancel: threading.Event | None = None) -> int:
-    """Bring `keys` from the object store into the engine's NVMe cache now; how many are cached after.
+def prefetch(node: Node, keys: Sequence[str], *, cancel: threading.Event | None = None) -> int:
+    """Bring `keys` from the object store into the node's NVMe cache now; how many are cached after.
 
-    Chunks are verified and admitted through the engine's one admission path (answers, events, metrics),
-    exactly like object hits of a load. With `cancel` set, it stops before the next batch."""
-    return engine.warm(keys, cancel=cancel)
+    Chunks are verified and admitted exactly as the node agent admits object hits. With `cancel` set, it
+    stops before the next batch."""
+    if not keys:
+        return 0
+    engine = node.engine
+    fetch_into_cache(node.cache, node.store, engine.threads, keys, engine.metrics, cancel=cancel)
+    return sum(node.cache.contains_many(keys))
 
 
 def _exists(node: Node, keys: list[str]) -> list[bool]:
@@ -216,7 +221,7 @@ def _prefetch_checked(
     node: Node, remote: list[str], missing: list[str], errors: list[str], cancel: threading.Event | None
 ) -> int:
     """Prefetch `remote`; keys that turn out gone from the bucket move to `missing` (and `remote` shrinks)."""
-    count = prefetch(node.engine, remote, cancel=cancel)
+    count = prefetch(node, remote, cancel=cancel)
     if count == len(remote) or (cancel is not None and cancel.is_set()):
         return count  # cancelled: the rest was not fetched, which says nothing about the bucket
     cached = node.cache.contains_many(remote)

@@ -39,6 +39,8 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, make_o
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
+from kvstore.agent.supervisor import stop_agent
+from kvstore.agent.uploads import wait_uploaded
 from kvstore.connector.bench.target import StoreTarget
 from kvstore.connector.harness.standalone import standalone_spec
 from kvstore.connector.tier import KVStoreTier
@@ -129,7 +131,6 @@ def our_tier(primary: Primary, root: Path, store_url: str, **options: Any) -> KV
         "store_url": store_url,
         "cache_dir": str(root / "nvme"),
         "cache_bytes": 1 << 40,
-        "access_records": False,
         "pin_sync_s": 0,
     }
     return KVStoreTier(
@@ -147,6 +148,8 @@ def fs_tier(primary: Primary, root: Path) -> FileSystemTierManager:
 def close_tier(tier: SecondaryTierManager) -> None:
     tier.drain_jobs()
     tier.shutdown()
+    if isinstance(tier, KVStoreTier):  # the node agent it started goes too (its directory is removed next)
+        stop_agent(tier.engine.cache.directory)
 
 
 # -- driving a tier the way vLLM's scheduler does ---------------------------------------------------------
@@ -250,7 +253,7 @@ def _wait_uploads(seconds: list[float], tier: SecondaryTierManager) -> None:
     """After the store: how long until the upload journal is drained into the object store."""
     assert isinstance(tier, KVStoreTier)
     start = time.perf_counter()
-    if not tier.engine.flush(600):
+    if not wait_uploaded(tier.engine.cache, 600):
         raise RuntimeError("uploads did not finish")
     seconds.append(time.perf_counter() - start)
 
@@ -361,7 +364,7 @@ def bench_object_path(
     seeder = our_tier(primary, seeder_root, target.store_url, s3_endpoint=target.endpoint or "")
     try:
         run_jobs(seeder, make_jobs(keys, range(chunks), 16, 1), load=False)
-        if not seeder.engine.flush(600):
+        if not wait_uploaded(seeder.engine.cache, 600):
             raise RuntimeError("seeding the object store did not finish")
         names = [seeder.namespace.chunk_key(k) for k in keys]
     finally:

@@ -19,6 +19,7 @@ from vllm.v1.kv_offload.config import (
     OffloadingParallelConfig,
 )
 
+from kvstore.agent.supervisor import stop_agent
 from kvstore.connector.tier import KVStoreTier
 
 
@@ -80,6 +81,9 @@ class StandaloneTier:
 
     def close(self) -> None:
         self.tier.shutdown()
+        # The node agent the tier started (option `agent: auto`) outlives it by design; a harness that is
+        # done with the cache directory stops it.
+        stop_agent(self.tier.engine.cache.directory)
         self.view.release()
         self.base.release()
         self.primary.close()

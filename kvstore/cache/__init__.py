@@ -3,13 +3,24 @@
 from kvstore.cache.fsck import FsckReport, RebuildReport, rebuild_index
 from kvstore.cache.lmdb_env import SCHEMA_VERSION
 from kvstore.cache.nvme import NVMeCache
-from kvstore.cache.records import Backlog, CachedChunk, CacheUsage, ReadResult, ReadStatus, StagedFile
+from kvstore.cache.records import (
+    Backlog,
+    CachedChunk,
+    CacheUsage,
+    Change,
+    ChangeKind,
+    ReadResult,
+    ReadStatus,
+    StagedFile,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
     "Backlog",
     "CacheUsage",
     "CachedChunk",
+    "Change",
+    "ChangeKind",
     "FsckReport",
     "NVMeCache",
     "ReadResult",

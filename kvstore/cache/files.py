@@ -185,9 +185,6 @@ class ChunkFiles:
         digest = key_digest(key)
         return f"{CHUNKS_DIR}/{digest[:2]}/{digest}.{token.hex()}"
 
-    def path(self, key: str, token: bytes) -> Path:
-        return self.root / self.relpath(key, token)
-
     def path_str(self, key: str, token: bytes) -> str:
         """`path` as a plain string: the load hot path, where pathlib's overhead shows."""
         return f"{self._root_str}/{self.relpath(key, token)}"
@@ -313,16 +310,6 @@ class ChunkFiles:
         finally:
             os.close(fd)
         return staging[: min(got, size)]
-
-    def read(self, key: str, token: bytes) -> bytes | None:
-        """The file's bytes (a copy), or None if it is gone (another process evicted it, or a crash lost
-        it). For tools; the data path reads with ``read_into``."""
-        path = self.path_str(key, token)
-        try:
-            size = os.stat(path).st_size
-            return bytes(self.read_whole(path, size))
-        except FileNotFoundError:
-            return None
 
     # -- removal and scans -------------------------------------------------------------------------------
 

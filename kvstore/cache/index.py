@@ -20,9 +20,13 @@ Sub-databases (keys are the chunk key's UTF-8 bytes unless stated):
              crashed uploader's claims expire. A failed PUT moves it to the retry time.
 ``counters`` name -> ``<Q``: node-wide figures (lookups, hits, bytes per tier...) that every process on the
              node adds its own to, so a tool sees the node's traffic, not its own (``add_counters``).
+``changes``  8-byte big-endian sequence number -> kind byte + key: the node's change log. Every transaction
+             that evicts, removes or finishes uploading a chunk appends to it, so each engine on the node
+             learns what the others (and the node agent) did to the chunks it announced, and turns that into
+             KV events (``changes_since``). The agent trims it (``trim_changes``).
 ``meta``     ``schema_version`` (``<Q``, currently 2) and ``<Q`` counters kept in step with ``entries`` and
              ``uploads`` inside every write transaction: ``used_bytes``, ``entries``, ``upload_bytes``,
-             ``upload_entries``.
+             ``upload_entries``; ``changes_next``, the change log's next sequence number.
 
 Opening the environment (once per process, its schema and data file checked) is ``lmdb_env.py``'s job; the
 values stored and returned are in ``records.py``.
@@ -39,7 +43,7 @@ from dataclasses import replace
 import lmdb
 
 from kvstore.cache.lmdb_env import DEFAULT_MAP_SIZE, INDEX_DIR, Shared, acquire, release, translate
-from kvstore.cache.records import Admission, Backlog, Entry, encode_key
+from kvstore.cache.records import Admission, Backlog, Change, ChangeKind, Entry, Eviction, encode_key
 from kvstore.errors import CacheClosed
 
 # Eviction passes over at most this many chunks that still wait for upload to find uploaded ones: bounded
@@ -52,6 +56,7 @@ _USED_KEY = b"used_bytes"
 _COUNT_KEY = b"entries"
 _UPLOAD_BYTES_KEY = b"upload_bytes"
 _UPLOAD_COUNT_KEY = b"upload_entries"
+_CHANGES_NEXT_KEY = b"changes_next"
 
 
 def _lru_key(ts: int, key: bytes) -> bytes:
@@ -119,6 +124,12 @@ class CacheIndex:
         return 0 if raw is None else _U64.unpack(raw)[0]
 
     @translate
+    def used_bytes(self) -> int:
+        s = self._db()
+        with s.env.begin() as txn:
+            return self._counters(txn, s)[0]
+
+    @translate
     def counters(self) -> tuple[int, int, int]:
         """(used bytes, entries, resident pinned entries), from one snapshot."""
         s = self._db()
@@ -172,7 +183,11 @@ class CacheIndex:
         now = time.time_ns()
         with s.env.begin(write=True) as txn:
             self._apply_touches(txn, s, touches)
-            return [self._admit_one(txn, s, encode_key(key), entry, budget, now) for key, entry in items]
+            admissions = [
+                self._admit_one(txn, s, encode_key(key), entry, budget, now) for key, entry in items
+            ]
+            self._log(txn, s, ChangeKind.EVICTED, [vk.encode() for a in admissions for vk, _ in a.victims])
+        return admissions
 
     def _admit_one(
         self, txn: lmdb.Transaction[bytes], s: Shared, k: bytes, entry: Entry, budget: int, now: int
@@ -186,14 +201,9 @@ class CacheIndex:
             victims = self._pick_victims(txn, s, need)
             if sum(v.size for _, v in victims) < need:
                 return Admission(False)
-        uploading: set[str] = set()
-        for vk, ve in victims:
-            txn.delete(vk, db=s.entries)
-            txn.delete(_lru_key(ve.last_access_ns, vk), db=s.lru)
-            if self._unqueue(txn, s, vk, ve) > now:
-                uploading.add(vk.decode())
-            used -= ve.size
-            count -= 1
+        uploading = self._drop_victims(txn, s, victims, now)
+        used -= sum(ve.size for _, ve in victims)
+        count -= len(victims)
         txn.put(k, entry.pack(), db=s.entries)
         if txn.get(k, db=s.pins) is None:
             txn.put(_lru_key(entry.last_access_ns, k), b"", db=s.lru)
@@ -202,6 +212,37 @@ class CacheIndex:
             self._add_upload_counters(txn, s, entry.size, 1)
         self._set_counters(txn, s, used + entry.size, count + 1)
         return Admission(True, tuple((vk.decode(), ve) for vk, ve in victims), frozenset(uploading))
+
+    def _drop_victims(
+        self, txn: lmdb.Transaction[bytes], s: Shared, victims: list[tuple[bytes, Entry]], now: int
+    ) -> set[str]:
+        """Delete victims' entries, LRU and upload records (not the counters); returns those an uploader
+        holds."""
+        uploading: set[str] = set()
+        for vk, ve in victims:
+            txn.delete(vk, db=s.entries)
+            txn.delete(_lru_key(ve.last_access_ns, vk), db=s.lru)
+            if self._unqueue(txn, s, vk, ve) > now:
+                uploading.add(vk.decode())
+        return uploading
+
+    @translate
+    def evict(self, target_used: int) -> Eviction:
+        """In ONE write transaction: evict least recently used entries (uploaded ones first, as admissions
+        do) until usage is at most ``target_used``; pinned entries are never taken. The node agent calls this
+        to keep usage below the budget, so admissions on the data path rarely evict."""
+        s = self._db()
+        now = time.time_ns()
+        with s.env.begin(write=True) as txn:
+            used, count = self._counters(txn, s)
+            if used <= target_used:
+                return Eviction()
+            victims = self._pick_victims(txn, s, used - target_used)
+            uploading = self._drop_victims(txn, s, victims, now)
+            freed = sum(ve.size for _, ve in victims)
+            self._set_counters(txn, s, max(0, used - freed), max(0, count - len(victims)))
+            self._log(txn, s, ChangeKind.EVICTED, [vk for vk, _ in victims])
+        return Eviction(tuple((vk.decode(), ve) for vk, ve in victims), frozenset(uploading))
 
     def _unqueue(self, txn: lmdb.Transaction[bytes], s: Shared, k: bytes, entry: Entry) -> int:
         """Drop `entry`'s upload record, if it has one (it is leaving, or has been uploaded); the record's
@@ -303,6 +344,7 @@ class CacheIndex:
         self._unqueue(txn, s, k, entry)
         used, count = self._counters(txn, s)
         self._set_counters(txn, s, max(0, used - entry.size), max(0, count - 1))
+        self._log(txn, s, ChangeKind.REMOVED, [k])
         return entry
 
     # -- node-wide counters ------------------------------------------------------------------------------
@@ -367,6 +409,7 @@ class CacheIndex:
         gone: list[str] = []
         again = _U64.pack(retry_at_ns)
         with s.env.begin(write=True) as txn:
+            uploaded: list[bytes] = []
             for key in done:
                 k = key.encode()
                 raw = txn.get(k, db=s.entries)
@@ -376,6 +419,8 @@ class CacheIndex:
                 if entry.pending_upload:
                     self._unqueue(txn, s, k, entry)
                     txn.put(k, replace(entry, queued_ns=0).pack(), db=s.entries)
+                    uploaded.append(k)
+            self._log(txn, s, ChangeKind.UPLOADED, uploaded)
             for key in retry:
                 k = key.encode()
                 raw = txn.get(k, db=s.entries)
@@ -386,6 +431,58 @@ class CacheIndex:
                     if txn.get(record, db=s.uploads) is not None:
                         txn.put(record, again, db=s.uploads)
         return gone
+
+    # -- the change log -----------------------------------------------------------------------------------
+
+    def _log(self, txn: lmdb.Transaction[bytes], s: Shared, kind: ChangeKind, keys: Sequence[bytes]) -> None:
+        if not keys:
+            return
+        raw = txn.get(_CHANGES_NEXT_KEY, db=s.meta)
+        seq = 1 if raw is None else _U64.unpack(raw)[0]
+        tag = bytes((kind,))
+        for k in keys:
+            txn.put(_TS.pack(seq), tag + k, db=s.changes)
+            seq += 1
+        txn.put(_CHANGES_NEXT_KEY, _U64.pack(seq), db=s.meta)
+
+    @translate
+    def change_seq(self) -> int:
+        """The sequence number the next change will get (a new reader starts here: no history replayed)."""
+        s = self._db()
+        with s.env.begin() as txn:
+            raw = txn.get(_CHANGES_NEXT_KEY, db=s.meta)
+        return 1 if raw is None else int(_U64.unpack(raw)[0])
+
+    @translate
+    def changes_since(self, seq: int, limit: int = 4096) -> list[Change]:
+        """Up to ``limit`` changes numbered ``seq`` or later, oldest first (a reader that fell behind the
+        log's trimming finds a gap: those changes are gone)."""
+        s = self._db()
+        out: list[Change] = []
+        with s.env.begin() as txn:
+            cursor = txn.cursor(db=s.changes)
+            if not cursor.set_range(_TS.pack(max(0, seq))):
+                return out
+            for record, value in cursor:
+                out.append(Change(_TS.unpack(record)[0], ChangeKind(value[0]), bytes(value[1:]).decode()))
+                if len(out) >= limit:
+                    break
+        return out
+
+    @translate
+    def trim_changes(self, keep: int) -> int:
+        """Drop all but the newest ``keep`` changes; how many went."""
+        s = self._db()
+        dropped = 0
+        with s.env.begin(write=True) as txn:
+            raw = txn.get(_CHANGES_NEXT_KEY, db=s.meta)
+            first_kept = (0 if raw is None else _U64.unpack(raw)[0]) - keep
+            cursor = txn.cursor(db=s.changes)
+            if cursor.first():
+                while cursor.key() and _TS.unpack(cursor.key())[0] < first_kept:
+                    cursor.delete()  # moves to the next record (an empty key past the last)
+                    dropped += 1
+        return dropped
 
     @translate
     def backlog(self) -> Backlog:

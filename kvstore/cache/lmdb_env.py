@@ -44,7 +44,7 @@ INDEX_DIR = "index"
 DEFAULT_MAP_SIZE = 64 << 30  # sparse: LMDB only grows the file as pages are used
 _U64 = struct.Struct("<Q")
 _SCHEMA_KEY = b"schema_version"
-_DB_NAMES = (b"entries", b"lru", b"pins", b"uploads", b"meta", b"counters")
+_DB_NAMES = (b"entries", b"lru", b"pins", b"uploads", b"meta", b"counters", b"changes")
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -72,6 +72,7 @@ class Shared:
     uploads: lmdb._Database
     meta: lmdb._Database
     counters: lmdb._Database
+    changes: lmdb._Database
     pid: int
     refs: int = 0
 
@@ -89,7 +90,7 @@ def _open_shared(path: str, map_size: int, max_readers: int, sync: bool) -> Shar
     try:
         # Reader slots of SIGKILLed processes would otherwise pin old pages forever.
         env.reader_check()
-        entries, lru, pins, uploads, meta, counters = (env.open_db(name) for name in _DB_NAMES)
+        entries, lru, pins, uploads, meta, counters, changes = (env.open_db(name) for name in _DB_NAMES)
         shared = Shared(
             env=env,
             entries=entries,
@@ -98,6 +99,7 @@ def _open_shared(path: str, map_size: int, max_readers: int, sync: bool) -> Shar
             uploads=uploads,
             meta=meta,
             counters=counters,
+            changes=changes,
             pid=os.getpid(),
         )
         _check_schema(shared, path)

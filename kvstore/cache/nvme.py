@@ -1,16 +1,22 @@
 """NVMeCache: the node-local read-through cache of chunks (byte budget, LRU eviction, pins, upload journal).
 
 It combines ``ChunkFiles`` (bytes on disk) with ``CacheIndex`` (the LMDB index, the single source of truth).
-Several processes may open the same directory at once. Ordering rules that keep it crash- and race-safe:
+Several processes open the same directory at once: the vLLM engines of the node (loads and stores), the node
+agent (uploads, admission of object hits, eviction, touches) and the tools. Ordering rules that keep it crash-
+and race-safe:
 
-* admit: write a tmp file, rename it to a name unique to this admission, then ONE index transaction inserts
-  the entries and evicts victims; victims' files are unlinked only after that commit. A crash before the
-  commit leaves an orphan file (``reclaim_tmp`` at the next open, or fsck, removes it), never an index entry
-  pointing at a partial or foreign file. Writing files and committing them are separate calls
-  (``write_file``, ``commit``) so a caller can write many files in parallel and commit them once.
+* admit: write a tmp file, rename it to a name unique to this admission (``write_file``), then ONE index
+  transaction inserts the entries and, only if the budget is exceeded, evicts victims (``commit``); victims'
+  files are unlinked only after that commit. A crash before the commit leaves an orphan file (``reclaim_tmp``
+  at the next open, or fsck, removes it), never an index entry pointing at a partial or foreign file.
+* evict: the node agent keeps usage below the budget (``evict``), so the data path's commits rarely evict.
 * remove (discard, stale entry, fsck): index first, file second, for the same reason.
 * a reader that finds a file gone lost a race with another process's eviction: it is a miss, and the stale
   entry (if it still names that very file) is dropped by ``forget``.
+
+The budget is ``budget_bytes`` or, where the filesystem has less room (a smaller disk than configured, other
+files), what the cache holds plus what is free minus a small reserve (``effective_budget``): a full disk makes
+the cache evict, never stop caching.
 
 Reads verify against the index alone: an entry holds the chunk's content checksum (over its key and raw
 bytes), codec and raw length, so an uncompressed chunk is read with O_DIRECT straight into the caller's
@@ -19,23 +25,26 @@ that check. ``read_into`` reports what it found and changes nothing; the caller 
 corrupt copies and counts them).
 
 The upload journal: a chunk admitted with ``pending_upload`` is recorded as not yet in the object store.
-Uploaders ``claim_uploads`` (a lease, so the node's processes share the work), read the file
+Uploaders ``claim_uploads`` (a lease, so several processes could share the work), read the file
 (``read_stored``) and ``finish_uploads``. A pending chunk evicted or discarded first is counted by reason
-(``take_lost_uploads``).
+(``take_removals``, with the evictions this process made). Evictions, removals and finished uploads are
+appended to the node's change log (``changes_since``), from which every engine on the node makes its KV
+events.
 
-Threading: all methods may be called from several threads. ``touch`` and reads only buffer LRU updates in
-memory; the buffer is applied in one write transaction by the next commit, by ``flush``, when it grows past
-``touch_buffer_max`` keys or is older than ``touch_flush_interval_s`` at the next read, and on ``close``.
+Threading: all methods may be called from several threads. ``touch`` only buffers LRU updates in memory; the
+buffer is applied in one write transaction by the next commit, by ``flush``, when it grows past
+``touch_buffer_max`` keys or is older than ``touch_flush_interval_s`` at the next touch, and on ``close``.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from types import TracebackType
 
@@ -44,12 +53,15 @@ from kvstore.cache.fsck import FsckReport, check
 from kvstore.cache.index import CacheIndex
 from kvstore.cache.lmdb_env import DEFAULT_MAP_SIZE
 from kvstore.cache.records import (
+    MAX_KEY_BYTES,
     Backlog,
     CachedChunk,
     CacheUsage,
+    Change,
     Entry,
     ReadResult,
     ReadStatus,
+    Removals,
     StagedFile,
     encode_key,
 )
@@ -58,21 +70,20 @@ from kvstore.chunk import (
     Buffer,
     ChunkHeader,
     Codec,
-    EncodedChunk,
     content_checksum,
-    decode,
     decode_into,
-    encode,
     flat,
-    parse_header,
     stored_size,
 )
-from kvstore.errors import CacheError, ChunkCorrupt, ChunkError, ChunkUnreadable, ConfigError
+from kvstore.errors import CacheError, CacheFull, ChunkCorrupt, ChunkUnreadable, ConfigError
 
 log = logging.getLogger(__name__)
 
 
 _OK = ReadResult(ReadStatus.OK)
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# Free space the cache leaves to everything else on its filesystem: 2% of it, at most this.
+_RESERVE_MAX_BYTES = 1 << 30
 
 
 class NVMeCache:
@@ -82,8 +93,7 @@ class NVMeCache:
     ``fsync`` makes each file durable before its index entry is committed (off by default: a file torn by a
     power loss fails its checksum on read and becomes a miss). ``index_sync`` is LMDB's own commit fsync.
     ``direct_io`` uses O_DIRECT where the filesystem allows it; ``repair`` opens for fsck only (it works on a
-    full disk: nothing is written to open it). ``on_evict`` is called (outside any lock,
-    after the commit) with the keys each operation removed: the same keys ``take_evicted`` returns.
+    full disk: nothing is written to open it).
     """
 
     def __init__(
@@ -99,7 +109,6 @@ class NVMeCache:
         max_readers: int = 512,
         touch_flush_interval_s: float = 1.0,
         touch_buffer_max: int = 4096,
-        on_evict: Callable[[list[str]], None] | None = None,
     ) -> None:
         if not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ConfigError(f"cache_bytes must be a positive number of bytes, got {budget_bytes!r}")
@@ -107,14 +116,13 @@ class NVMeCache:
         self.budget_bytes = budget_bytes
         self._files = ChunkFiles(directory, fsync=fsync, direct_io=direct_io, repair=repair)
         self._index = CacheIndex(directory, map_size=map_size, max_readers=max_readers, sync=index_sync)
-        self._on_evict = on_evict
         self._touch_interval_ns = int(touch_flush_interval_s * 1e9)
         self._touch_max = touch_buffer_max
         self._lock = threading.Lock()  # guards the buffers below, never held across I/O
         self._touches: dict[str, int] = {}
         self._touches_since = time.monotonic_ns()
-        self._evicted: list[str] = []
         self._lost_uploads: collections.Counter[str] = collections.Counter()
+        self._evicted = 0
         self._closed = False
         reclaimed = self._files.reclaim_tmp()
         if reclaimed.files:
@@ -123,6 +131,8 @@ class NVMeCache:
                 reclaimed.files,
                 reclaimed.bytes,
             )
+        if not repair:
+            self._warn_if_disk_is_smaller()
 
     @property
     def direct_io(self) -> bool:
@@ -133,7 +143,8 @@ class NVMeCache:
 
     def write_file(self, header: ChunkHeader, parts: Sequence[Buffer]) -> StagedFile:
         """Write one chunk's file (``parts`` concatenated are the whole chunk: header block, payload,
-        padding), not yet indexed. Thread-safe; raises CacheError on I/O failure."""
+        padding), not yet indexed. Thread-safe; raises CacheFull when the filesystem has no room (make room
+        with ``make_room``, then try again), CacheError on any other I/O failure."""
         if header.total_length > self.budget_bytes:
             raise CacheError(f"chunk {header.key} ({header.total_length} bytes) exceeds the cache budget")
         entry = Entry(
@@ -147,25 +158,27 @@ class NVMeCache:
         try:
             path = self._files.write(header.key, entry.token, parts)
         except OSError as exc:
-            raise CacheError(f"cannot write chunk file in {self.directory!r}: {exc}") from exc
+            error = CacheFull if exc.errno in _NO_SPACE else CacheError
+            raise error(f"cannot write chunk file in {self.directory!r}: {exc}") from exc
         return StagedFile(header.key, entry, path)
 
     def commit(self, staged: Sequence[StagedFile], *, pending_upload: bool = False) -> list[bool]:
         """Index written files in ONE transaction (a store job's chunks cost one commit, not one each);
         per file, whether it was admitted. A file not admitted (the key is already cached, or no room
         because the rest is pinned) is removed. With ``pending_upload`` the chunks join the upload journal.
+        Evicts only what the budget requires (the node agent usually has made room already).
         """
-        for item in staged:
-            encode_key(item.key)
         queued = time.time_ns() if pending_upload else 0
         items = [(s.key, _queued(s.entry, queued)) for s in staged]
         try:
-            admissions = self._index.admit_many(items, self.budget_bytes, self._take_touches())
+            for item in staged:
+                encode_key(item.key)  # a key the index cannot hold: the batch fails, and its files go
+            budget = self.effective_budget(written_bytes=sum(s.entry.size for s in staged))
+            admissions = self._index.admit_many(items, budget, self._take_touches())
         except BaseException:
             self.abandon(staged)
             raise
         admitted = [False] * len(staged)
-        removed: list[str] = []
         lost = 0
         for i, (item, admission) in enumerate(zip(staged, admissions, strict=True)):
             if admission.admitted:
@@ -175,10 +188,9 @@ class NVMeCache:
                 self._files.unlink_path(item.path)
             for vkey, ventry in admission.victims:
                 self._files.unlink(vkey, ventry.token)
-                removed.append(vkey)
                 # One an uploader holds may still make it; the uploader counts it if it does not.
                 lost += ventry.pending_upload and vkey not in admission.uploading
-        self._record_removed(removed, lost_uploads={"evicted": lost})
+        self._count_lost({"evicted": lost}, evicted=sum(len(a.victims) for a in admissions))
         return admitted
 
     def abandon(self, staged: Iterable[StagedFile]) -> None:
@@ -186,44 +198,61 @@ class NVMeCache:
         for item in staged:
             self._files.unlink_path(item.path)
 
-    def put(self, key: str, raw: Buffer, *, pending_upload: bool = False) -> bool:
-        """Admit ``raw`` as ``key``'s chunk (uncompressed). False when the key is already cached, the chunk
-        exceeds the budget, or the space cannot be freed because the rest is pinned."""
-        return self.put_many([(key, raw)], pending_upload=pending_upload)[0]
+    # -- room --------------------------------------------------------------------------------------------
 
-    def put_many(self, items: Sequence[tuple[str, Buffer]], *, pending_upload: bool = False) -> list[bool]:
-        """`put` for several chunks, one index commit; per item, whether it was admitted."""
-        for key, _ in items:
-            encode_key(key)
-        return self.put_chunks([encode(key, raw) for key, raw in items], pending_upload=pending_upload)
+    def effective_budget(self, *, written_bytes: int = 0) -> int:
+        """What the cache may hold now: ``budget_bytes``, or less where its filesystem has less room (what
+        the cache holds, plus ``written_bytes`` of files written and not yet committed, plus the free space,
+        minus a reserve for everything else on that filesystem)."""
+        free, total = self._space()
+        room = self._index.used_bytes() + written_bytes + free - min(_RESERVE_MAX_BYTES, total // 50)
+        return max(0, min(self.budget_bytes, room))
 
-    def put_chunks(self, chunks: Sequence[EncodedChunk], *, pending_upload: bool = False) -> list[bool]:
-        """Write and admit encoded chunks, one index commit. A chunk larger than the whole budget is not
-        admitted (and never written)."""
-        staged: list[StagedFile] = []
-        fits = [c.total_length <= self.budget_bytes for c in chunks]
+    def evict(self, target_bytes: int) -> list[str]:
+        """Evict least recently used chunks (uploaded ones first; never pinned ones) until the cache holds at
+        most ``target_bytes``; the keys evicted. The node agent's job; also the way out of a full disk."""
+        self.flush()  # the touches buffered here count: what was just used stays
+        eviction = self._index.evict(max(0, target_bytes))
+        lost = 0
+        for key, entry in eviction.victims:
+            self._files.unlink(key, entry.token)
+            lost += entry.pending_upload and key not in eviction.uploading
+        self._count_lost({"evicted": lost}, evicted=len(eviction.victims))
+        return [key for key, _ in eviction.victims]
+
+    def make_room(self, nbytes: int) -> list[str]:
+        """Evict so that ``nbytes`` more fit in the effective budget (after a write found the disk full);
+        the keys evicted."""
+        return self.evict(self.effective_budget() - nbytes)
+
+    def _space(self) -> tuple[int, int]:
+        """(bytes free for this process, filesystem size) where the cache lives."""
         try:
-            for chunk, fit in zip(chunks, fits, strict=True):
-                if fit:
-                    staged.append(self.write_file(chunk.header, chunk.parts()))
-        except BaseException:
-            self.abandon(staged)
-            raise
-        admitted = iter(self.commit(staged, pending_upload=pending_upload))
-        return [next(admitted) if fit else False for fit in fits]
+            st = os.statvfs(self.directory)
+        except OSError as exc:
+            raise CacheError(f"cannot read the free space of {self.directory!r}: {exc}") from exc
+        return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
-    def put_blob(self, key: str, blob: Buffer, *, pending_upload: bool = False) -> bool:
-        """Admit a whole chunk as it came from the object store (``key``'s chunk, already verified)."""
-        header = parse_header(blob, key)
-        if len(flat(blob)) != header.total_length:
-            raise CacheError(f"chunk {key}: {len(flat(blob))} bytes, its header says {header.total_length}")
-        return self.commit([self.write_file(header, [blob])], pending_upload=pending_upload)[0]
+    def _warn_if_disk_is_smaller(self) -> None:
+        try:
+            budget = self.effective_budget()
+        except (OSError, CacheError):
+            return
+        if budget < self.budget_bytes:
+            log.warning(
+                "cache_bytes is %d but %s has room for only %d (used by the cache and free, less a reserve): "
+                "the cache keeps to the free space and evicts to stay there",
+                self.budget_bytes,
+                self.directory,
+                budget,
+            )
 
     # -- reads -------------------------------------------------------------------------------------------
 
     def read_into(self, located: CachedChunk, dest: memoryview) -> ReadResult:
         """Read and verify the chunk into ``dest`` (exactly its raw length). Changes nothing: on CORRUPT
-        the caller discards, on GONE it ``forget``s. ``dest`` holds garbage unless the result is OK."""
+        the caller discards, on GONE or REPLACED it ``forget``s. ``dest`` holds garbage unless the result is
+        OK."""
         out = flat(dest)
         if len(out) != located.raw_length:
             return ReadResult(
@@ -251,7 +280,12 @@ class NVMeCache:
         except ChunkCorrupt as exc:
             return ReadResult(ReadStatus.CORRUPT, str(exc))
         except ChunkUnreadable as exc:
-            return ReadResult(ReadStatus.UNREADABLE, str(exc))
+            if located.pending_upload:
+                # Its only copy, maybe a newer kvstore's on this node mid-upgrade: left for readers that can.
+                return ReadResult(ReadStatus.UNREADABLE, str(exc))
+            # Not the file the index admitted, and the bucket has the chunk: a node-local copy that would only
+            # ever cost a read before each miss.
+            return ReadResult(ReadStatus.REPLACED, str(exc))
         except OSError as exc:
             return ReadResult(ReadStatus.FAILED, str(exc))
 
@@ -267,42 +301,6 @@ class NVMeCache:
         if len(blob) != located.size:
             raise CacheError(f"{located.path} is {len(blob)} bytes, its index entry says {located.size}")
         return blob
-
-    def get(self, key: str) -> bytes | None:
-        """The chunk's raw bytes, verified, or None on a miss. A corrupt copy is discarded (reported by
-        ``take_evicted``). Counts as a touch. For tools; the data path uses ``read_into``."""
-        located = self.locate(key)
-        if located is None:
-            return None
-        try:
-            blob = self.read_stored(located)
-            header = parse_header(blob, key)
-            raw = decode(key, blob)
-            if header.checksum == located.checksum:
-                return raw
-            reason = "file differs from its index entry"
-        except FileNotFoundError:
-            self.forget(key, located.path)
-            return None
-        except (CacheError, ChunkCorrupt) as exc:
-            reason = str(exc)
-        except ChunkError:
-            return None  # not ours to judge
-        log.warning("discarding corrupt NVMe chunk %s: %s", key, reason)
-        if self.discard(key):
-            self._record_removed([key])
-        return None
-
-    def locate(self, key: str, *, touch: bool = True) -> CachedChunk | None:
-        """Where the chunk lies, or None on a miss. Counts as a touch unless `touch=False` (a caller on a
-        latency-critical path records touches itself, so a due flush never lands in the middle of a load).
-        """
-        entry = self._index.get(key)
-        if entry is None:
-            return None
-        if touch:
-            self._touch_one(key)
-        return self._located(key, entry)
 
     def locate_many(self, keys: Sequence[str]) -> list[CachedChunk | None]:
         """`locate` for many keys from one index snapshot (no touches: the caller records its own)."""
@@ -329,17 +327,13 @@ class NVMeCache:
         if entry is not None and self._files.path_str(key, entry.token) == path:
             self._drop_stale(key, entry)
 
-    def contains(self, key: str) -> bool:
-        return self._index.contains_many((key,))[0]
-
     def contains_many(self, keys: Iterable[str]) -> list[bool]:
         """Presence of each key, from one index snapshot. Does not count as a touch."""
         return self._index.contains_many(_key_list(keys))
 
-    def keys(self) -> Iterator[str]:
-        """Every cached key, in key order, read in batches (no long-lived snapshot)."""
-        for key, _ in self._index.iter_entries():
-            yield key
+    def used_bytes(self) -> int:
+        """Bytes the cache holds (one index read; ``usage`` also counts pinned entries)."""
+        return self._index.used_bytes()
 
     def usage(self) -> CacheUsage:
         used, entries, pinned = self._index.counters()
@@ -349,7 +343,7 @@ class NVMeCache:
 
     # -- node-wide counters ------------------------------------------------------------------------------
 
-    def add_counters(self, deltas: dict[str, int]) -> None:
+    def add_counters(self, deltas: Mapping[str, int]) -> None:
         """Add this process's increments to the node's counters (every process on the node adds its own)."""
         self._index.add_counters({k: v for k, v in deltas.items() if v})
 
@@ -375,20 +369,25 @@ class NVMeCache:
         """Chunks, bytes and the oldest queue time of what waits for upload (every process's)."""
         return self._index.backlog()
 
-    def take_lost_uploads(self) -> dict[str, int]:
-        """Chunks this process removed before they were uploaded, by reason, since the last call."""
+    def take_removals(self) -> Removals:
+        """What this process's calls removed since the last call: chunks evicted, and chunks that left the
+        cache before their upload, by reason (``evicted``, ``discarded``, ``fsck``, ``lost``)."""
         with self._lock:
             lost, self._lost_uploads = dict(self._lost_uploads), collections.Counter()
-        return {reason: n for reason, n in lost.items() if n}
+            evicted, self._evicted = self._evicted, 0
+        return Removals(evicted, {reason: n for reason, n in lost.items() if n})
 
     # -- LRU, removal, pins ------------------------------------------------------------------------------
 
     def touch(self, keys: Iterable[str]) -> None:
-        """Mark keys as used now. Buffered in memory; see the module docstring for when it is applied."""
+        """Mark keys as used now. Buffered in memory; see the module docstring for when it is applied. Keys
+        the index cannot hold (empty, too long: they come from hints anyone on the node may send) are
+        ignored."""
         now = time.time_ns()
         with self._lock:
             for key in _key_list(keys):
-                self._touches[key] = now
+                if key and len(key.encode()) <= MAX_KEY_BYTES:
+                    self._touches[key] = now
         self._maybe_flush()
 
     def flush(self) -> None:
@@ -398,8 +397,7 @@ class NVMeCache:
             self._index.apply_touches(touches)
 
     def discard(self, key: str) -> bool:
-        """Remove ``key`` (e.g. its checksum failed). True if it was cached. Not reported by ``take_evicted``:
-        the caller asked for it and emits its own event."""
+        """Remove ``key`` (e.g. its checksum failed). True if it was cached."""
         entry = self._index.remove(key)
         if entry is None:
             return False
@@ -421,12 +419,19 @@ class NVMeCache:
         """The key's pin count."""
         return self._index.pin_count(key)
 
-    def take_evicted(self) -> list[str]:
-        """Keys this process removed from the index on its own since the last call: evictions, entries whose
-        file had vanished or was torn, fsck repairs (not ``discard``). Emit a BlockRemoved event for each."""
-        with self._lock:
-            evicted, self._evicted = self._evicted, []
-        return evicted
+    # -- the change log ----------------------------------------------------------------------------------
+
+    def change_seq(self) -> int:
+        """Where a new reader of the change log starts (no history is replayed)."""
+        return self._index.change_seq()
+
+    def changes_since(self, seq: int, limit: int = 4096) -> list[Change]:
+        """The node's evictions, removals and finished uploads numbered ``seq`` or later, oldest first."""
+        return self._index.changes_since(seq, limit)
+
+    def trim_changes(self, keep: int) -> int:
+        """Drop all but the newest ``keep`` changes (the node agent does, now and then)."""
+        return self._index.trim_changes(keep)
 
     # -- maintenance -------------------------------------------------------------------------------------
 
@@ -436,14 +441,14 @@ class NVMeCache:
         """Reconcile index and files; see ``kvstore.cache.fsck``. On a cache other processes are writing,
         pass ``orphan_min_age_s`` (e.g. 60) so files of admissions in flight are not taken for orphans."""
         self.flush()
-        report, removed = check(
+        report, _ = check(
             self._index,
             self._files,
             fix=fix,
             verify_checksums=verify_checksums,
             orphan_min_age_s=orphan_min_age_s,
         )
-        self._record_removed(removed, lost_uploads={"fsck": report.lost_uploads})
+        self._count_lost({"fsck": report.lost_uploads})
         return report
 
     def close(self) -> None:
@@ -470,13 +475,7 @@ class NVMeCache:
         # Token-guarded: if another process re-admitted the key meanwhile, its new entry survives.
         if self._index.remove(key, entry.token) is not None:
             self._files.unlink(key, entry.token)  # a torn file (size mismatch) is still there
-            self._record_removed([key], lost_uploads={"lost": int(entry.pending_upload)})
-
-    def _touch_one(self, key: str) -> None:
-        now = time.time_ns()
-        with self._lock:
-            self._touches[key] = now
-        self._maybe_flush()
+            self._count_lost({"lost": int(entry.pending_upload)})
 
     def _maybe_flush(self) -> None:
         with self._lock:
@@ -492,19 +491,11 @@ class NVMeCache:
             self._touches_since = time.monotonic_ns()
         return touches
 
-    def _record_removed(self, keys: list[str], *, lost_uploads: dict[str, int] | None = None) -> None:
+    def _count_lost(self, lost_uploads: dict[str, int], *, evicted: int = 0) -> None:
         with self._lock:
-            for reason, n in (lost_uploads or {}).items():
+            self._evicted += evicted
+            for reason, n in lost_uploads.items():
                 self._lost_uploads[reason] += n
-            if not keys:
-                return
-            self._evicted.extend(keys)
-        if self._on_evict is not None:
-            try:
-                self._on_evict(keys)
-            except Exception:
-                # The removal is committed; a failing observer must not turn it into an error for the caller.
-                log.exception("on_evict callback failed for %d keys", len(keys))
 
 
 def _queued(entry: Entry, queued_ns: int) -> Entry:

@@ -1,12 +1,13 @@
 """The values the NVMe cache records and hands around: an index entry (the 58-byte ``entries`` record that
-``index.py`` documents), the outcome of an admission, the upload backlog; a located chunk, a read's result, a
-file written but not yet committed, and the cache's usage."""
+``index.py`` documents), the outcome of an admission or an eviction, the upload backlog, a change of the
+node's change log; a located chunk, a read's result, a file written but not yet committed, and the cache's
+usage."""
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-from enum import Enum
+from dataclasses import dataclass, field
+from enum import Enum, IntEnum
 
 from kvstore.errors import CacheError
 
@@ -69,6 +70,38 @@ class Admission:
     uploading: frozenset[str] = frozenset()
 
 
+@dataclass(frozen=True)
+class Eviction:
+    """What ``CacheIndex.evict`` removed: (key, entry) whose files the caller must unlink, and the victims an
+    uploader held a claim on (their upload may still finish)."""
+
+    victims: tuple[tuple[str, Entry], ...] = ()
+    uploading: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Removals:
+    """What one process's calls removed from the cache since it last asked (``NVMeCache.take_removals``)."""
+
+    evicted: int = 0
+    lost_uploads: dict[str, int] = field(default_factory=dict)  # by reason: evicted, discarded, fsck, lost
+
+
+class ChangeKind(IntEnum):
+    """What happened to a chunk on this node, as the change log records it (for KV events)."""
+
+    EVICTED = 1  # made room for others (budget or free space)
+    REMOVED = 2  # proven bad, its file lost, or repaired away by fsck
+    UPLOADED = 3  # its upload to the object store finished
+
+
+@dataclass(frozen=True)
+class Change:
+    seq: int
+    kind: ChangeKind
+    key: str
+
+
 def encode_key(key: str) -> bytes:
     if not isinstance(key, str) or not key:
         raise CacheError(f"cache key must be a non-empty str, got {key!r}")
@@ -106,7 +139,8 @@ class ReadStatus(Enum):
     OK = "ok"
     GONE = "gone"  # the file vanished: another process evicted it, or it was lost
     CORRUPT = "corrupt"  # proven damage (checksum, truncation, key): the copy should be discarded
-    UNREADABLE = "unreadable"  # not for this reader (another buffer size, unknown codec): left alone
+    UNREADABLE = "unreadable"  # not for this reader's buffer (another buffer size): left alone
+    REPLACED = "replaced"  # the file is not the chunk its entry vouches for (another version): dropped
     FAILED = "failed"  # an I/O error; nothing is known about the copy
 
 

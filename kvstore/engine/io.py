@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kvstore.cache import CachedChunk, NVMeCache, StagedFile
 from kvstore.chunk import Buffer, ChunkHeader, Codec, decode_into, encode, payload_of, unpack_verified, verify
-from kvstore.errors import CacheError, ChunkError, StoreError
+from kvstore.errors import CacheError, ChunkError, ChunkUnreadable, StoreError
 from kvstore.stores import ObjectStore, get_located
 
 
@@ -152,10 +152,13 @@ def write_fetched(cache: NVMeCache, fetched: Fetched) -> StagedFile | CacheError
 
 def upload(cache: NVMeCache, store: ObjectStore, located: CachedChunk) -> int:
     """PUT one queued chunk from its NVMe file; the bytes sent. FileNotFoundError if the file went (evicted
-    meanwhile), CacheError if it is torn or fails its check (never uploaded), StoreError from the store."""
+    meanwhile), CacheError if it is torn or fails its check, ChunkUnreadable if this reader cannot check it
+    (a newer format: never uploaded unchecked, never judged either), StoreError from the store."""
     blob = cache.read_stored(located)
     try:
         header = verify(located.key, blob)  # the bucket is shared: never PUT bytes that fail their check
+    except ChunkUnreadable:
+        raise
     except ChunkError as exc:
         raise CacheError(f"queued chunk {located.key} is damaged on NVMe: {exc}") from exc
     if header.checksum != located.checksum:

@@ -1,24 +1,27 @@
-"""`TieredStore`: the node's NVMe cache in front of the shared object store, as one object.
+"""`TieredStore`: the node's NVMe cache in front of the shared object store, as the vLLM process sees it.
 
-It composes the engine's parts and owns nothing they do not:
+It does only what a waiting request needs, and composes the parts that do it:
 
 =============  ==========================================================================================
-``state``      what every path decides with: answers, breaker, events, the rules for a bad chunk
+``outcomes``   what the engine learned: answers, metrics, events, hints for the agent (the one writer)
 ``prober``     probe scheduling for the vLLM scheduler: batched, deduplicated, prefix-ordered, prefetching
 ``reads``      loads: NVMe (O_DIRECT, verified in place), then prefetched chunks, then object GETs
 ``writes``     stores: O_DIRECT writes from the caller's buffer, one commit that queues the uploads
-``uploader``   drains the upload journal into the object store, whatever the store does
-``admission``  object hits to NVMe at a quiet moment
 ``io``         the I/O itself, as functions that return result records
 ``threads``    every thread (one place states the thread model)
 =============  ==========================================================================================
+
+Everything else (uploads, admission of object hits to NVMe, eviction, LRU touches, access records, node
+counters, pin sync) is the node agent's (`kvstore.agent`), in a process of its own at idle priority: the
+engine tells it what it needs through hints (`kvstore.agent.link`) and learns what it did from the node's
+change log, both from its housekeeping, which runs in the probe thread's spare time.
 
 Every chunk is verified before it is served; a chunk that fails is a miss. Only a chunk proven corrupt in a
 format this reader knows is removed; one it cannot read is a miss and is left alone.
 
 Threads: every public method is thread-safe. `lookup_cached`, `needs_probe`, `probe_prefixes`,
-`probe_async`, `end_of_step`, `mark_missing`, `touch` and `take_events` never block (the vLLM scheduler calls
-them); the others block on I/O and are for the caller's worker threads.
+`probe_async`, `end_of_step`, `touch` and `take_events` never block (the vLLM scheduler calls them); the
+others block on I/O and are for the caller's worker threads.
 """
 
 from __future__ import annotations
@@ -26,25 +29,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from kvstore.agent.link import AgentLink
+from kvstore.agent.supervisor import AgentWatch, register_engine, unregister_engine
 from kvstore.cache import NVMeCache
 from kvstore.chunk import Codec
-from kvstore.engine.activity import Activity
-from kvstore.engine.admission import AdmissionQueue
+from kvstore.engine.answers import AnswerCache, Presence
+from kvstore.engine.bad_chunks import count_removals
 from kvstore.engine.breaker import Breaker
-from kvstore.engine.counters import NodeCounters
+from kvstore.engine.node_counters import NodeCounters
+from kvstore.engine.outcomes import ChunkEvent, Outcomes
 from kvstore.engine.prefetch import PrefetchBuffer
 from kvstore.engine.prober import Prober
-from kvstore.engine.probes import AnswerCache, Presence
 from kvstore.engine.reads import Reader
-from kvstore.engine.state import ChunkEvent, EngineState
 from kvstore.engine.threads import EngineThreads
-from kvstore.engine.uploader import Uploader
 from kvstore.engine.writes import StoreOutcome, Writer
-from kvstore.errors import CacheError, ConfigError
+from kvstore.errors import CacheError
 from kvstore.metrics import EngineMetrics
 from kvstore.stores import ObjectStore
 
@@ -52,17 +54,19 @@ __all__ = ["ChunkEvent", "ShutdownReport", "StoreOutcome", "TieredStore"]
 
 log = logging.getLogger(__name__)
 
+_CHANGES_PER_READ = 4096
+
 
 @dataclass(frozen=True)
 class ShutdownReport:
-    not_uploaded: int  # chunks still in the upload journal: the next process on this node uploads them
+    not_uploaded: int  # chunks still in the node's upload journal: the node agent uploads them
 
 
 class TieredStore:
     def __init__(
         self,
         store: ObjectStore | None,
-        cache: NVMeCache | None,
+        cache: NVMeCache,
         *,
         threads: EngineThreads | None = None,
         codec: Codec = Codec.NONE,
@@ -73,68 +77,47 @@ class TieredStore:
         outage_cooldown_s: float = 5.0,
         load_timeout_s: float = 5.0,
         metrics: EngineMetrics | None = None,
+        agent: AgentWatch | None = None,
+        counters_sink: Callable[[Mapping[str, int]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if store is None and cache is None:
-            raise ConfigError("TieredStore needs an object store, an NVMe cache, or both")
+        """``agent``: how this engine checks on (and may start) the node agent. ``counters_sink``: where this
+        process's figures go for the node's counters; by default to the agent, through the hints (a process
+        that hosts the agent writes them to the index itself)."""
         self.store = store
         self.cache = cache
         self.codec = codec
         self.metrics = metrics or EngineMetrics.for_registry()
         self.threads = threads or EngineThreads()
-        # An NVMe answer lives as long as a chunk usually stays; another process may evict it sooner, and a
-        # load then falls back to the object store: a stale answer costs time, never a wrong byte.
+        # An NVMe answer lives as long as a chunk usually stays; the change log says sooner when it leaves.
         answers = AnswerCache(
             local_ttl_s=30.0, remote_ttl_s=probe_hit_ttl_s, miss_ttl_s=probe_miss_ttl_s, clock=clock
         )
-        breaker = Breaker(outage_cooldown_s, self.metrics, clock)
-        # Loads and stores are foreground; probes count too (a load follows them).
-        activity = Activity(also_busy=lambda: self._prober.in_flight > 0)
-        self._state = state = EngineState(
+        self._link = AgentLink(cache.directory)
+        self._outcomes = Outcomes(
             store,
             cache,
             metrics=self.metrics,
-            threads=self.threads,
-            breaker=breaker,
             answers=answers,
-            activity=activity,
-            clock=clock,
+            breaker=Breaker(outage_cooldown_s, self.metrics, clock),
+            link=self._link,
         )
-        self._touches: deque[Sequence[str]] = deque()
         prefetched = PrefetchBuffer(prefetch_bytes, clock=clock)
         self.metrics.prefetch_bytes.set_function(lambda: float(prefetched.held_bytes))
-        self._prober = Prober(state, prefetched, on_idle=self._apply_touches)
-        self._writer = Writer(state, codec=codec, element_width=element_width)
-        self._admission = AdmissionQueue(self._writer.admit_fetched, activity) if cache is not None else None
-        self._reader = Reader(
-            state,
-            prefetched,
-            self._admission,
-            load_timeout_s=load_timeout_s,
-            admit_now=self._writer.admit_fetched,
-            touched=self._touches.append,
+        self.metrics.track_nvme_usage(lambda: (cache.used_bytes(), cache.budget_bytes))
+        self.metrics.track_backlog(lambda: _backlog_triple(cache))
+        self.metrics.nvme_direct_io.set(1 if cache.direct_io else 0)
+        self._prober = Prober(
+            self._outcomes, prefetched, self.threads, clock=clock, on_idle=self.housekeeping
         )
-        self._uploader: Uploader | None = None
-        self._counters = NodeCounters(self.metrics, cache) if cache is not None else None
-        if cache is not None:
-            self.metrics.track_nvme_usage(lambda: _usage_pair(cache))
-            self.metrics.track_backlog(lambda: _backlog_triple(cache))
-            self.metrics.nvme_direct_io.set(1 if cache.direct_io else 0)
-            assert self._admission is not None
-            self.threads.service("kvstore-admit", self._admission.run)
-            if store is not None:
-                self._uploader = Uploader(
-                    cache,
-                    store,
-                    breaker,
-                    self.metrics,
-                    self.threads,
-                    activity=activity,
-                    cooldown_s=outage_cooldown_s,
-                    on_uploaded=self._writer.uploaded,
-                    on_damaged=state.damaged_on_nvme,
-                )
-                self.threads.service("kvstore-journal", self._uploader.run)
+        self._reader = Reader(self._outcomes, prefetched, self.threads, load_timeout_s=load_timeout_s)
+        self._writer = Writer(self._outcomes, self.threads, codec=codec, element_width=element_width)
+        self._counters = NodeCounters(self.metrics, counters_sink or self._link.counters)
+        self._agent = agent
+        self._changes_at = cache.change_seq()
+        self._housekeeping_lock = threading.Lock()
+        self._marker = register_engine(cache.directory)
+        self._closed = False
         self.threads.service("kvstore-probe", self._prober.run)
 
     # ---------------------------------------------------------------- lookup
@@ -145,7 +128,7 @@ class TieredStore:
         With `wait=False` unknown keys come back PENDING and are probed in the background. Tools use this;
         the vLLM scheduler uses `lookup_cached`, which never touches LMDB or the network.
         """
-        local = self.cache.contains_many(keys) if self.cache is not None else [False] * len(keys)
+        local = self.cache.contains_many(keys)
         out: list[Presence] = []
         unknown: list[int] = []
         usable = self.store_available
@@ -153,7 +136,7 @@ class TieredStore:
             if local[i]:
                 out.append(Presence.LOCAL)
                 continue
-            known = self._state.answers.get(key) if usable else Presence.MISS
+            known = self._outcomes.answer(key) if usable else Presence.MISS
             if known in (Presence.REMOTE, Presence.MISS):
                 out.append(known)
             else:
@@ -171,11 +154,11 @@ class TieredStore:
         return out
 
     def lookup_cached(self, key: str) -> Presence:
-        """The scheduler's lookup: memory only, never blocks. PENDING: ask `needs_probe`, then probe."""
-        found = self._state.answers.get(key)
+        """The scheduler's lookup: memory only, never blocks, changes nothing but the lookup counters.
+        PENDING: ask `needs_probe`, then probe."""
+        found = self._outcomes.answer(key)
         if found is None:
             return Presence.PENDING
-        self._prober.answered(key)
         answer = Presence.MISS if found is Presence.REMOTE and not self.store_available else found
         self._count(answer)
         return answer
@@ -202,19 +185,14 @@ class TieredStore:
         """The scheduler's step is over (see `Prober.end_of_step`)."""
         self._prober.end_of_step()
 
-    def mark_missing(self, key: str) -> None:
-        """Remember that `key` could not be loaded, so lookups answer MISS instead of promising it again."""
-        self._state.answers.set(key, Presence.MISS)
-
     def _count(self, answer: Presence) -> None:
         if answer is Presence.PENDING:
             return
         queries, hits = self.metrics.queries, self.metrics.hits
-        if self.cache is not None:
-            queries.inc("nvme")
-            if answer is Presence.LOCAL:
-                hits.inc("nvme")
-                return
+        queries.inc("nvme")
+        if answer is Presence.LOCAL:
+            hits.inc("nvme")
+            return
         if self.store is not None:
             queries.inc("object")
             if answer is Presence.REMOTE:
@@ -224,98 +202,80 @@ class TieredStore:
 
     def load_into(self, items: Sequence[tuple[str, memoryview]]) -> list[bool]:
         """Fill each buffer with its chunk's raw bytes; True where the chunk was found and verified.
-        Buffers whose entry is False may hold garbage and must not be used."""
+        Buffers whose entry is False may hold garbage and must not be used; their chunks answer MISS for a
+        while (a chunk that fails to load is not promised again at once)."""
         return self._reader.load_into(items)
 
     def store_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> StoreOutcome:
-        """Write chunks to NVMe now, queued for upload. Returns once the caller's buffers may be reused
-        (with an NVMe cache, every byte is on disk; without one, it has been PUT)."""
-        outcome = self._writer.store_many(items)
-        if outcome.written and self._uploader is not None:
-            self._uploader.kick()
-        return outcome
-
-    def warm(self, keys: Sequence[str], *, cancel: threading.Event | None = None) -> int:
-        """Bring ``keys`` from the object store into NVMe now (stopping before the next batch once `cancel`
-        is set); how many are on NVMe afterwards."""
-        return self._reader.warm(keys, cancel=cancel)
-
-    def get(self, key: str) -> bytes | None:
-        """A chunk's raw bytes (verified), or None. For tools; the vLLM path uses `load_into`."""
-        return self._reader.get(key)
+        """Write chunks to NVMe now, queued for upload. Returns once every byte is on disk, so the caller's
+        buffers may be reused."""
+        return self._writer.store_many(items)
 
     # -------------------------------------------------------- health, events
 
     @property
     def store_available(self) -> bool:
-        return self._state.store_available
-
-    def backlog_chunks(self) -> int:
-        """Chunks on NVMe waiting for upload (node-wide)."""
-        return self.cache.backlog().chunks if self.cache is not None and self.store is not None else 0
+        return self._outcomes.store_available
 
     def take_events(self) -> list[ChunkEvent]:
         """Events since the last call (oldest dropped past a bound if nobody takes them)."""
-        events = self._state.events
-        out: list[ChunkEvent] = []
-        while True:
-            try:
-                out.append(events.popleft())
-            except IndexError:
-                return out
+        return self._outcomes.take_events()
 
     def touch(self, keys: Sequence[str]) -> None:
-        """Mark chunks used; applied in the background, so the scheduler never waits on the index."""
-        if self.cache is not None:
-            self._touches.append(keys)
+        """Mark chunks used (LRU order, access records for GC): a hint for the node agent. Never blocks."""
+        self._link.touched(keys)
 
-    def _apply_touches(self) -> None:
-        """The probe thread's spare time: buffered touches to the index, and the node's counters."""
-        if self.cache is None:
-            return
-        if self._counters is not None:
+    def housekeeping(self) -> None:
+        """Hints to the agent, the node's change log into answers and events, counters, the agent's health.
+        Runs in the probe thread's spare time (every fraction of a second); callable by tests and tools."""
+        with self._housekeeping_lock:
+            self._read_changes()
+            count_removals(self.cache, self.metrics)
             self._counters.maybe_publish()
-        keys: list[str] = []  # may stay empty: touch() then just writes out buffered touches once due
-        while self._touches:
-            keys.extend(self._touches.popleft())
-        try:
-            self.cache.touch(keys)
-        except CacheError as exc:
-            log.warning("could not record %d touches: %s", len(keys), exc)
+            dropped = self._link.dropped
+            self._link.send()
+            if self._link.dropped > dropped:
+                self.metrics.agent_hints_dropped.inc(self._link.dropped - dropped)
+            if self._agent is not None:
+                self.metrics.agent_up.set(1 if self._agent.check() else 0)
 
     def publish_counters(self) -> None:
-        """Add this engine's figures to the node's counters now (they also go every few seconds)."""
-        if self._counters is not None:
+        """Hand this engine's figures for the node's counters over now (they also go every few seconds)."""
+        with self._housekeeping_lock:
             self._counters.publish()
+            self._link.send()
 
-    def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until the upload journal is empty; False on timeout (or with the store down)."""
-        if self._uploader is None:
-            return True
-        return self.store_available and self._uploader.wait_drained(timeout)
+    def _read_changes(self) -> None:
+        try:
+            while True:
+                changes = self.cache.changes_since(self._changes_at, _CHANGES_PER_READ)
+                if not changes:
+                    return
+                self._outcomes.changed(changes)
+                self._changes_at = changes[-1].seq + 1
+                if len(changes) < _CHANGES_PER_READ:
+                    return
+        except CacheError as exc:
+            log.debug("could not read the node's change log: %s", exc)
 
-    def close(self, *, flush: bool = True, timeout: float = 30.0) -> ShutdownReport:
-        """Stop the engine. With `flush`, waits up to `timeout` for the upload journal to drain; what is left
-        stays in the journal, for the next process on this node."""
-        if flush:
-            self.flush(timeout)
+    def close(self) -> ShutdownReport:
+        """Stop the engine (idempotent). What waits for upload stays in the journal, for the node agent."""
+        if self._closed:
+            return ShutdownReport(not_uploaded=0)
+        self._closed = True
         self._prober.stop()
-        if self._uploader is not None:
-            self._uploader.stop()
-        if self._admission is not None:
-            self._admission.close()  # after what is queued: those hits are still written
-        self.threads.join(timeout)
-        self._apply_touches()
-        self.publish_counters()
-        left = self.backlog_chunks()
+        self.threads.join(10.0)
+        self._counters.publish()
+        self.housekeeping()
+        self._link.close()
+        unregister_engine(self._marker)
+        try:
+            left = self.cache.backlog().chunks if self.store is not None else 0
+        except CacheError:
+            left = 0
         if left:
-            log.info("%d chunks wait in the upload journal for the next start", left)
+            log.info("%d chunks wait in the upload journal for the node agent", left)
         return ShutdownReport(not_uploaded=left)
-
-
-def _usage_pair(cache: NVMeCache) -> tuple[int, int]:
-    usage = cache.usage()
-    return usage.used_bytes, usage.budget_bytes
 
 
 def _backlog_triple(cache: NVMeCache) -> tuple[int, int, float]:

@@ -15,9 +15,9 @@ import threading
 from collections.abc import Callable, Sequence
 
 from kvstore.engine import io
+from kvstore.engine.outcomes import Outcomes
 from kvstore.engine.prefetch import PrefetchBuffer
-from kvstore.engine.probes import Presence
-from kvstore.engine.state import EngineState
+from kvstore.engine.threads import EngineThreads
 from kvstore.errors import StoreError
 
 log = logging.getLogger(__name__)
@@ -29,11 +29,19 @@ _IDLE_S = 0.2
 
 class Prober:
     def __init__(
-        self, state: EngineState, prefetched: PrefetchBuffer, *, on_idle: Callable[[], None]
+        self,
+        outcomes: Outcomes,
+        prefetched: PrefetchBuffer,
+        threads: EngineThreads,
+        *,
+        clock: Callable[[], float],
+        on_idle: Callable[[], None],
     ) -> None:
-        self._state = state
+        self._outcomes = outcomes
         self._prefetched = prefetched
-        self._on_idle = on_idle  # the probe thread's spare time: buffered touches go to the index
+        self._threads = threads
+        self._clock = clock
+        self._on_idle = on_idle  # the probe thread's spare time: the engine's housekeeping
         self._asked: dict[str, float] = {}  # keys handed to the probe and not answered yet
         self._requests: queue.SimpleQueue[list[list[str]]] = queue.SimpleQueue()
         self._probing: set[str] = set()
@@ -44,11 +52,7 @@ class Prober:
     def needs_probe(self, key: str) -> bool:
         """Whether a key the answers do not know must be handed to the probe (see the module docstring)."""
         asked = self._asked.get(key)
-        return asked is None or self._state.clock() - asked > _ASK_AGAIN_S
-
-    def answered(self, key: str) -> None:
-        if self._asked:
-            self._asked.pop(key, None)
+        return asked is None or self._clock() - asked > _ASK_AGAIN_S
 
     def probe_prefixes(self, chains: Sequence[Sequence[str]]) -> None:
         """Queue chains of keys for the probe. A chain is the unknown keys of one request (and KV-cache
@@ -57,7 +61,7 @@ class Prober:
         it stay unanswered, asked again if anyone still wants them)."""
         lists = [list(chain) for chain in chains if chain]
         if lists:
-            now = self._state.clock()
+            now = self._clock()
             self._asked.update((key, now) for chain in lists for key in chain)
             self._requests.put(lists)
 
@@ -97,50 +101,50 @@ class Prober:
             except Exception:  # a probe must never kill the thread; unanswered keys are asked again
                 log.exception("probe of %d chunks failed", len(self._probing))
             finally:
+                for key in self._probing:  # answered now, or to be asked again
+                    self._asked.pop(key, None)
                 self._probing.clear()
             self._on_idle()
 
     def probe_store(self, keys: Sequence[str]) -> list[bool]:
         """Ask the object store now (HEADs) whether ``keys`` exist; the answers are recorded."""
-        state = self._state
-        if state.store is None or not state.store_available:
+        outcomes = self._outcomes
+        if outcomes.store is None or not outcomes.store_available:
             return [False] * len(keys)
         try:
-            found = state.store.exists_many(keys)
+            found = outcomes.store.exists_many(keys)
         except StoreError as exc:
-            state.breaker.failed("exists", exc)
+            outcomes.breaker.failed("exists", exc)
             return [False] * len(keys)
-        state.breaker.succeeded()
-        for key, present in zip(keys, found, strict=True):
-            state.answers.set(key, Presence.REMOTE if present else Presence.MISS)
+        outcomes.breaker.succeeded()
+        outcomes.in_bucket([key for key, present in zip(keys, found, strict=True) if present])
+        outcomes.nowhere([key for key, present in zip(keys, found, strict=True) if not present])
         return found
 
     def _unanswered(self, chains: list[list[str]]) -> list[list[str]]:
         """The chains with answered keys left out, each key in one chain only (its first)."""
         seen: set[str] = set()
         out: list[list[str]] = []
-        answers = self._state.answers
+        answer = self._outcomes.answer
         for chain in chains:
-            left = [k for k in dict.fromkeys(chain) if k not in seen and answers.get(k) is None]
+            left = [k for k in dict.fromkeys(chain) if k not in seen and answer(k) is None]
             seen.update(left)
             if left:
                 out.append(left)
         return out
 
     def _answer(self, chains: list[list[str]]) -> None:
-        state = self._state
+        outcomes = self._outcomes
         keys = [key for chain in chains for key in chain]
-        here = state.cache.contains_many(keys) if state.cache is not None else [False] * len(keys)
-        local = {key for key, cached in zip(keys, here, strict=True) if cached}
-        for key in local:
-            state.answers.set(key, Presence.LOCAL)
-        elsewhere = [chain for chain in ([k for k in c if k not in local] for c in chains) if chain]
+        here = outcomes.cache.contains_many(keys)
+        local = [key for key, cached in zip(keys, here, strict=True) if cached]
+        outcomes.on_nvme(local)
+        on_node = set(local)
+        elsewhere = [chain for chain in ([k for k in c if k not in on_node] for c in chains) if chain]
         if not elsewhere:
             return
-        if not state.store_available:
-            for chain in elsewhere:
-                for key in chain:
-                    state.answers.set(key, Presence.MISS)
+        if not outcomes.store_available:
+            outcomes.nowhere([key for chain in elsewhere for key in chain])
         elif self._prefetched.enabled:
             self._prefetch(elsewhere)
         else:
@@ -152,8 +156,8 @@ class Prober:
         Keys are asked rank by rank over the chains (every chain's first key, then every second key...) and
         each answer is published as soon as its GET returns, so vLLM sees a growing prefix of hits and
         starts loading it while the rest is still on the wire."""
-        state = self._state
-        store = state.store
+        outcomes = self._outcomes
+        store = outcomes.store
         assert store is not None
         order = [
             (c, rank)
@@ -165,18 +169,19 @@ class Prober:
 
         def fetch(at: tuple[int, int]) -> None:
             c, rank = at
-            if rank > first_miss[c] or not state.store_available:  # past a miss: this request cannot use it
+            if rank > first_miss[c] or not outcomes.store_available:  # past a miss: the request cannot use it
                 return
             fetched = io.fetch(store, chains[c][rank])
             if not fetched.good:
                 first_miss[c] = min(first_miss[c], rank)
-                state.object_miss(fetched, loading=False)
+                outcomes.not_usable(fetched, loading=False)
                 return
             self._prefetched.offer(fetched)  # no room: still a hit, the load GETs it again
-            state.answers.set(fetched.key, Presence.REMOTE)
+            outcomes.in_bucket([fetched.key])
 
+        threads = self._threads
         try:
-            state.threads.map(state.threads.io, state.threads.io_workers, fetch, order)
-            state.breaker.succeeded()
+            threads.map(threads.io, threads.io_workers, fetch, order)
+            outcomes.breaker.succeeded()
         except StoreError as exc:  # keys answered before the failure stand; the rest are asked again
-            state.breaker.failed("get", exc)
+            outcomes.breaker.failed("get", exc)

@@ -2,8 +2,8 @@
 
 A store writes each new chunk's file with O_DIRECT straight from the caller's buffer (vLLM's primary region),
 on the disk threads in parallel, then commits them all in one index transaction that also queues them for
-upload; the uploader drains the journal in the background. A node without NVMe PUTs before returning. The
-same commit path admits verified object-store chunks (object hits, warming), minus the upload.
+upload. That is all vLLM's process does: the node agent uploads from the journal. A full disk is met by
+making room (evicting) and writing once more, so it never stops caching.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.cache import StagedFile
-from kvstore.chunk import Codec, encode, flat
+from kvstore.chunk import Codec, flat, stored_size
 from kvstore.engine import io
-from kvstore.engine.io import Fetched
-from kvstore.engine.probes import Presence
-from kvstore.engine.state import EngineState
-from kvstore.errors import CacheError, StoreError
+from kvstore.engine.answers import Presence
+from kvstore.engine.bad_chunks import count_removals
+from kvstore.engine.outcomes import Outcomes
+from kvstore.engine.threads import EngineThreads
+from kvstore.errors import CacheError, CacheFull
 
 log = logging.getLogger(__name__)
 
@@ -28,86 +29,74 @@ log = logging.getLogger(__name__)
 class StoreOutcome:
     written: int  # admitted to NVMe (and queued for upload when there is a store)
     skipped: int  # already known here or remotely
-    failed: int  # not kept: a write error, no room (the rest is pinned), or no store to take it
-    uploaded: int = 0  # PUT directly (a node without an NVMe cache)
-    kept_each: tuple[bool, ...] = ()  # per item, in order: kept (written, skipped or uploaded)
+    failed: int  # not kept: a write error, or no room (the rest is pinned)
+    kept_each: tuple[bool, ...] = ()  # per item, in order: kept (written or skipped)
 
     @property
     def kept(self) -> int:
-        return self.written + self.skipped + self.uploaded
+        return self.written + self.skipped
 
 
 class Writer:
-    def __init__(self, state: EngineState, *, codec: Codec, element_width: int) -> None:
-        self._state = state
+    def __init__(
+        self, outcomes: Outcomes, threads: EngineThreads, *, codec: Codec, element_width: int
+    ) -> None:
+        self._outcomes = outcomes
+        self._threads = threads
         self._codec = codec
         self._width = element_width
 
     def store_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> StoreOutcome:
-        with self._state.activity.foreground():
-            return self._store_many(items)
-
-    def _store_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> StoreOutcome:
-        state = self._state
+        outcomes = self._outcomes
         keys = [key for key, _ in items]
-        cached = state.cache.contains_many(keys) if state.cache is not None else [False] * len(items)
+        cached = outcomes.cache.contains_many(keys)
         # One write per key, even when a batch names a key twice (two jobs of one step can).
         first: dict[str, int] = {}
         for i, (key, here) in enumerate(zip(keys, cached, strict=True)):
-            if not here and key not in first and state.answers.get(key) is not Presence.REMOTE:
+            if not here and key not in first and outcomes.answer(key) is not Presence.REMOTE:
                 first[key] = i
         fresh = [(key, flat(items[i][1])) for key, i in first.items()]
         kept = [True] * len(items)
-        skipped = len(items) - len(fresh)
         if not fresh:
-            return StoreOutcome(written=0, skipped=skipped, failed=0, kept_each=tuple(kept))
-        if state.cache is None:
-            done = self._put_direct(fresh)
-        else:
-            cache = state.cache
-            codec, width = self._codec, self._width
-            start = time.perf_counter()
-            staged = state.threads.map(
-                state.threads.disk,
-                state.threads.disk_workers,
-                lambda item: io.write_chunk(cache, item[0], item[1], codec, width),
-                fresh,
-            )
-            done = self.commit(staged, pending_upload=state.store is not None, since=start)
+            return StoreOutcome(written=0, skipped=len(items), failed=0, kept_each=tuple(kept))
+        start = time.perf_counter()
+        staged = self._write(fresh)
+        done = self._commit(staged, since=start)
         for (key, _), ok in zip(fresh, done, strict=True):
             if not ok:
                 kept[first[key]] = False
-        failed = len(done) - sum(done)
-        written = sum(done) if state.cache is not None else 0
+        written = sum(done)
         return StoreOutcome(
             written=written,
-            skipped=skipped,
-            failed=failed,
-            uploaded=0 if state.cache is not None else sum(done),
+            skipped=len(items) - len(fresh),
+            failed=len(done) - written,
             kept_each=tuple(kept),
         )
 
-    def admit_fetched(self, hits: list[Fetched]) -> None:
-        """Admit verified object-store chunks to NVMe (object hits, warming): written as they came."""
-        state = self._state
-        cache = state.cache
-        assert cache is not None
-        start = time.perf_counter()
-        here = cache.contains_many([h.key for h in hits])
-        fresh = [h for h, cached in zip(hits, here, strict=True) if not cached]
-        staged = state.threads.map(
-            state.threads.disk, state.threads.disk_workers, lambda h: io.write_fetched(cache, h), fresh
-        )
-        self.commit(staged, pending_upload=False, since=start)
+    def _write(self, fresh: list[tuple[str, memoryview]]) -> list[StagedFile | CacheError]:
+        """Write the files on the disk threads; where the disk was full, make room and write once more."""
+        cache, codec, width = self._outcomes.cache, self._codec, self._width
+        threads = self._threads
 
-    def commit(
-        self, staged: Sequence[StagedFile | CacheError], *, pending_upload: bool, since: float
-    ) -> list[bool]:
+        def write(item: tuple[str, memoryview]) -> StagedFile | CacheError:
+            return io.write_chunk(cache, item[0], item[1], codec, width)
+
+        staged = threads.map(threads.disk, threads.disk_workers, write, fresh)
+        full = [i for i, s in enumerate(staged) if isinstance(s, CacheFull)]
+        if full:
+            need = sum(stored_size(len(fresh[i][1])) for i in full)
+            evicted = cache.make_room(need)
+            log.warning("NVMe cache's disk is full: evicted %d chunks to make room", len(evicted))
+            again = threads.map(threads.disk, threads.disk_workers, write, [fresh[i] for i in full])
+            for i, result in zip(full, again, strict=True):
+                staged[i] = result
+        return staged
+
+    def _commit(self, staged: Sequence[StagedFile | CacheError], *, since: float) -> list[bool]:
         """Index written files in one commit; per item, whether the chunk is on NVMe now (admitted, or
-        admitted first by another process). Answers, metrics and events follow."""
-        state = self._state
-        assert state.cache is not None
-        metrics = state.metrics
+        admitted first by another process)."""
+        outcomes = self._outcomes
+        metrics = outcomes.metrics
         out = [False] * len(staged)
         at = [i for i, s in enumerate(staged) if isinstance(s, StagedFile)]
         files = [s for s in staged if isinstance(s, StagedFile)]
@@ -118,55 +107,29 @@ class Writer:
         if not files:
             return out
         try:
-            admitted = state.cache.commit(files, pending_upload=pending_upload)
+            admitted = outcomes.cache.commit(files, pending_upload=outcomes.store is not None)
         except CacheError as exc:
             log.warning("NVMe index commit of %d chunks failed: %s", len(files), exc)
             metrics.write_failures.labels("nvme").inc(len(files))
             metrics.stores_dropped.labels("write_error").inc(len(files))
             return out
-        per_chunk = (time.perf_counter() - since) / len(files)
+        finally:
+            count_removals(outcomes.cache, metrics)  # what this commit (or a full disk) evicted
+        ours: list[StagedFile] = []
+        lost: list[tuple[int, StagedFile]] = []
         for i, item, ok in zip(at, files, admitted, strict=True):
             if ok:
                 out[i] = True
-                state.answers.set(item.key, Presence.LOCAL)
-                metrics.write_seconds.labels("nvme").observe(per_chunk)
-                metrics.write_bytes.labels("nvme").inc(item.entry.size)
-                state.emit(item.key, "nvme", removed=False)
-            elif state.cache.contains(item.key):
-                out[i] = True  # another process admitted it first
+                ours.append(item)
             else:
-                metrics.stores_dropped.labels("no_room").inc()  # everything else is pinned
-        state.after_removals()
+                lost.append((i, item))
+        if lost:  # another process admitted the key first (it is here), or no room: the rest is pinned
+            present = outcomes.cache.contains_many([item.key for _, item in lost])
+            for (i, _), here in zip(lost, present, strict=True):
+                out[i] = here
+                if not here:
+                    metrics.stores_dropped.labels("no_room").inc()
+        if ours:
+            seconds_each = (time.perf_counter() - since) / len(files)
+            outcomes.stored([f.key for f in ours], [f.entry.size for f in ours], seconds_each)
         return out
-
-    def uploaded(self, keys: list[str]) -> None:
-        """The uploader PUT these: they are in the object store now."""
-        state = self._state
-        for key in keys:
-            if state.answers.get(key) is not Presence.LOCAL:
-                state.answers.set(key, Presence.REMOTE)
-            state.emit(key, "object", removed=False)
-
-    def _put_direct(self, fresh: Sequence[tuple[str, memoryview]]) -> list[bool]:
-        """No NVMe cache: PUT on the io threads before returning (the caller's buffers are reused next)."""
-        state = self._state
-        store = state.store
-        assert store is not None
-        if not state.store_available:
-            state.metrics.stores_dropped.labels("store_down").inc(len(fresh))
-            return [False] * len(fresh)
-
-        def put(item: tuple[str, memoryview]) -> bool:
-            chunk = encode(item[0], item[1], self._codec, element_width=self._width)
-            try:
-                store.put(item[0], chunk.to_bytes())
-            except StoreError as exc:
-                state.breaker.failed("put", exc)
-                state.metrics.stores_dropped.labels("error").inc()
-                return False
-            state.metrics.write_bytes.labels("object").inc(chunk.total_length)
-            state.answers.set(item[0], Presence.REMOTE)
-            state.emit(item[0], "object", removed=False)
-            return True
-
-        return state.threads.map(state.threads.io, state.threads.io_workers, put, fresh)

@@ -31,7 +31,7 @@ def node(private_s3_server: Any, private_s3_store: Any, open_test_node: Callable
 def test_healthz_and_metrics(node: Node, private_s3_server: Any) -> None:
     client = TestClient(create_app(node))
     node.engine.store_many([("ns_r0/abc/de_g0/1.bin", b"\x01" * 4096)])
-    assert node.engine.flush(10)
+    assert node.flush(10)
     health = client.get("/healthz")
     assert health.status_code == 200
     body = health.json()

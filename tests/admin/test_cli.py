@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from kvstore.cache import NVMeCache
+from tests.cache_helpers import admit, locate, read_chunk
 from tests.helpers import cli_env, free_port, listed_older_than
 
 KVSTORE = [sys.executable, "-m", "kvstore.admin.cli"]
@@ -69,8 +70,8 @@ def test_serve_starts_the_embedded_s3_server_and_stops_it(tmp_path: Path) -> Non
 def test_fsck_exit_codes(tmp_path: Path) -> None:
     cache_dir = tmp_path / "cache"
     with NVMeCache(cache_dir, 1 << 20) as cache:
-        cache.put("a/1.bin", b"x" * 5000)
-        located = cache.locate("a/1.bin")
+        admit(cache, "a/1.bin", b"x" * 5000)
+        located = locate(cache, "a/1.bin")
         assert located is not None
     with open(located.path, "r+b") as f:
         f.seek(4096)  # the payload's first byte
@@ -88,7 +89,7 @@ def test_fsck_refuses_a_damaged_index_and_fix_rebuilds_it(tmp_path: Path) -> Non
     cache_dir = tmp_path / "cache"
     with NVMeCache(cache_dir, 1 << 20) as cache:
         for i in range(5):
-            cache.put(f"a/{i}.bin", bytes([i]) * 5000)
+            admit(cache, f"a/{i}.bin", bytes([i]) * 5000)
     os.truncate(cache_dir / "index" / "data.mdb", 8192)
     env = cli_env(tmp_path, KVSTORE_CACHE_DIR=str(cache_dir), KVSTORE_CACHE_BYTES=str(1 << 20))
     check = subprocess.run([*KVSTORE, "fsck"], env=env, capture_output=True, text=True)
@@ -98,7 +99,7 @@ def test_fsck_refuses_a_damaged_index_and_fix_rebuilds_it(tmp_path: Path) -> Non
     assert fix.returncode == 0, fix.stdout + fix.stderr
     assert "rebuilt the damaged index from 5 chunk files" in fix.stderr
     with NVMeCache(cache_dir, 1 << 20) as cache:
-        assert [cache.get(f"a/{i}.bin") for i in range(5)] == [bytes([i]) * 5000 for i in range(5)]
+        assert [read_chunk(cache, f"a/{i}.bin") for i in range(5)] == [bytes([i]) * 5000 for i in range(5)]
 
 
 def test_fsck_fix_runs_on_a_full_disk(tmp_path: Path) -> None:
@@ -110,7 +111,7 @@ def test_fsck_fix_runs_on_a_full_disk(tmp_path: Path) -> None:
     try:
         cache_dir = mount / "cache"
         with NVMeCache(cache_dir, 1 << 20) as cache:
-            cache.put("a/1.bin", b"x" * 5000)
+            admit(cache, "a/1.bin", b"x" * 5000)
         folder = next((cache_dir / "chunks").iterdir())
         leftover = folder / ".1.deadbeef.0011223344556677.tmp"  # a killed writer's partial file
         leftover.write_bytes(b"y" * 100_000)

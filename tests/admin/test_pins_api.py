@@ -21,6 +21,7 @@ from kvstore.keys import KVCacheGroup, Namespace
 from kvstore.prompts import tokens_from_messages, tokens_from_prompt
 from kvstore.runtime import Node
 from tests.admin.vllm_standin import SECRET_ANSWER, VLLMStandIn
+from tests.cache_helpers import read_chunk
 from tests.helpers import wait_job
 
 NS = Namespace(
@@ -168,7 +169,7 @@ def test_seeds_and_present_chunks(client: TestClient, node: Node, monkeypatch: p
     assert old.json()["present_chunks"] == 0  # nothing stored yet: the pin protects nothing so far
     keys = old.json()["keys"]
     node.engine.store_many([(k, bytes(1024)) for k in keys[:3]])
-    assert node.engine.flush(30)
+    assert node.flush(30)
     assert client.get("/v1/pins/old").json()["present_chunks"] == 3
 
     record_scheme(node.store, NS, scheme_for("sha256", "1234"))  # the engines run with PYTHONHASHSEED=1234
@@ -222,14 +223,14 @@ def test_pinned_chunks_survive_eviction_pressure_and_gc(
     assert len(others) == 128
     for start in range(0, len(others), 16):
         node.engine.store_many([(k, bytes([7]) * chunk) for k in others[start : start + 16]])
-    assert node.engine.flush(60)
+    assert node.flush(60)
 
     usage = node.cache.usage()
     assert usage.used_bytes <= usage.budget_bytes == budget
     assert all(node.cache.contains_many(pinned))
     assert sum(node.cache.contains_many(others)) < len(others) - 100  # most of them were evicted
     for key, raw in payloads.items():
-        assert node.cache.get(key) == raw  # the NVMe copy itself, verified by its checksum
+        assert read_chunk(node.cache, key) == raw  # the NVMe copy itself, verified by its checksum
 
     time.sleep(1.1)  # S3 times have one-second resolution: every object is older than "now" below
     started = client.post("/v1/gc", json={"ttl_seconds": 0, "grace_seconds": 0})

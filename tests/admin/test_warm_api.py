@@ -43,7 +43,7 @@ def nodes(
     record_scheme(producer.store, NS, scheme_for())  # as the producer's tier does at start-up
     keys = chunk_keys(NS, TOKENS)
     producer.engine.store_many([(k, bytes(2048)) for k in keys])
-    assert producer.engine.flush(30)
+    assert producer.flush(30)
     return producer, admin
 
 
@@ -123,7 +123,7 @@ def test_missing_chunks_are_produced_by_the_configured_engine(
 
     def prefill(token_ids: list[int]) -> None:  # what an engine running our tier does with the prompt
         producer.engine.store_many([(k, bytes(2048)) for k in chunk_keys(NS, token_ids)])
-        producer.engine.flush(30)
+        producer.flush(30)
 
     vllm.on_prefill = prefill
     body = {"namespace": NS.id, "served_model": "tiny", "prompt": prompt, "poll_s": 20}

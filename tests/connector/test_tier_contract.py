@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import Offl
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 
+from kvstore.agent.uploads import wait_uploaded
 from kvstore.connector.harness.standalone import StandaloneTier, standalone_tier
 from kvstore.connector.tier import KVStoreTier, UnknownChunk, prefix_chains
 from kvstore.connector.tier_metrics import (
@@ -125,7 +126,7 @@ def test_stores_read_the_rows_chunk_ids_name_and_loads_fill_theirs(
     assert wait_jobs(tier, {2})[2].success
     assert [node.slot(t) == data(100 + r) for t, r in zip(targets, rows, strict=True)] == [True] * 4
     assert all(node.slot(row) == b"\0" * CHUNK for row in set(range(16)) - set(targets))
-    assert tier.engine.flush(30)
+    assert wait_uploaded(tier.engine.cache, 30)
 
     # A node sharing only the bucket reads the same bytes under the same keys.
     reader = standalone_tier(options(s3_store, tmp_path / "reader"), chunk_bytes=CHUNK, num_chunks=8)
@@ -159,7 +160,8 @@ def test_remote_chunk_is_retry_then_hit(s3_env: None, s3_store: ObjectStore, tmp
     writer.fill(0, data(7))
     writer.tier.submit_store(job(1, [okey(7)], [0], promotion=False))
     wait_jobs(writer.tier, {1})
-    writer.close()  # flushes the upload
+    assert wait_uploaded(writer.tier.engine.cache, 30)  # the node agent the tier started uploads it
+    writer.close()
 
     reader = standalone_tier(options(s3_store, tmp_path / "b"), chunk_bytes=CHUNK, num_chunks=4)
     tier = reader.tier
@@ -289,7 +291,7 @@ def test_events_and_stats(s3_env: None, s3_store: ObjectStore, tmp_path: Path) -
     built.fill(0, data(1))
     tier.submit_store(job(1, [okey(1)], [0], promotion=False))
     wait_jobs(tier, {1})
-    assert tier._engine.flush(10)
+    assert wait_uploaded(tier.engine.cache, 10)
     events = list(tier.take_events())
     kinds = {(e.medium, e.locality, e.removed) for e in events}
     assert (Medium.STORAGE, Locality.LOCAL, False) in kinds

@@ -35,6 +35,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from kvstore.admin.app import create_app
+from kvstore.agent.uploads import wait_uploaded
 from kvstore.config import load_settings
 from kvstore.embedded import SeaweedServer
 from kvstore.errors import KVStoreError
@@ -199,7 +200,7 @@ def run(stops: list[float]) -> dict[str, Any]:
             raw = {k: os.urandom(CHUNK) for k in keys}
             writer = _node(server, bucket, root / "cache-writer", token)
             writer.engine.store_many(list(raw.items()))
-            assert writer.engine.flush(60), "the writer's uploads did not finish"
+            assert wait_uploaded(writer.engine.cache, 60), "the writer's uploads did not finish"
             writer.close()
             reader = _node(server, bucket, root / "cache-reader", token)
             port = _free_port()

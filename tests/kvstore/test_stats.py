@@ -16,6 +16,8 @@ from kvstore.keys import KVCacheGroup, Namespace
 from kvstore.pins import create_pin
 from kvstore.runtime import Node
 from kvstore.stats import bucket_size, node_stats
+from tests.engine_helpers import load
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +45,7 @@ def test_empty_node(node: Node) -> None:
 def test_figures_after_traffic(node: Node) -> None:
     keys = chunk_keys(NS, list(range(96)))  # 6 chunks
     node.engine.store_many([(k, bytes(1000)) for k in keys])
-    assert node.engine.flush(30)
+    assert node.flush(30)
     node.store.put("_meta/access/x.bin", b"meta objects are not chunks")
     node.engine.lookup([*keys[:3], "ns_r0/abc/de_g0/missing.bin"], wait=True)
     create_pin(node.store, "sys", NS, keys[:2])
@@ -100,7 +102,7 @@ def test_every_region_is_reported(
     [key] = chunk_keys(NS, list(range(16)))
     with s3_server.store(s3_store.bucket, far) as remote:
         remote.put(key, encode(key, bytes(1000)).to_bytes())
-    assert node.engine.get(key) == bytes(1000)  # served by "eu", then copied home
+    assert load(node.engine, [key], size=1000) == [bytes(1000)]  # served by "eu", then copied home
 
     regions = {r["name"]: r for r in node_stats(node, scan_bucket=False)["regions"]}
     assert list(regions) == ["local", "eu", "gone"]
@@ -127,8 +129,12 @@ def test_stats_are_the_nodes_not_the_tools(
     first.engine.publish_counters()
     second = open_test_node(s3_server, url, cache_bytes=16 << 20, cache_dir=first.settings.cache_dir)
     second.engine.lookup(keys[:2], wait=True)
-    second.engine.publish_counters()
-    assert node_stats(second, scan_bucket=False)["tiers"]["nvme"]["hits"] == 6
+    second.engine.publish_counters()  # to the node agent, which the first node hosts
+
+    def nvme_hits() -> int:
+        return int(node_stats(second, scan_bucket=False)["tiers"]["nvme"]["hits"])
+
+    wait_for(lambda: nvme_hits() == 6, what="both engines' figures in the node's counters")
 
     env = {
         **os.environ,

@@ -25,6 +25,7 @@ from kvstore.keys import KVCacheGroup, Namespace
 from kvstore.pins import NamespaceNotFound, get_pin
 from kvstore.runtime import Node
 from kvstore.warm import VLLMError, VLLMUnreachable, prefetch, warm
+from tests.cache_helpers import read_chunk
 
 pytestmark = pytest.mark.integration
 
@@ -56,7 +57,7 @@ def seed(node: Node, keys: list[str]) -> None:
     """Publish the namespace and store `keys` through the node's engine (NVMe + write-behind upload)."""
     publish(node)
     node.engine.store_many([(k, raw_for(k)) for k in keys])
-    assert node.engine.flush(30)
+    assert node.flush(30)
 
 
 def test_prefetch_warms_a_second_node(make_node: Callable[[str], Node]) -> None:
@@ -68,7 +69,7 @@ def test_prefetch_warms_a_second_node(make_node: Callable[[str], Node]) -> None:
     assert report.produced == 0 and report.still_missing == 0 and report.errors == ()
     assert report.namespace == NS.id and report.num_tokens == 160
     assert all(b.cache.contains_many(keys))
-    assert all(b.engine.get(k) == raw_for(k) for k in keys)
+    assert all(read_chunk(b.cache, k) == raw_for(k) for k in keys)
 
     again = warm(b, NS, TOKENS)
     assert (again.already_local, again.remote, again.prefetched) == (10, 0, 0)
@@ -89,9 +90,9 @@ def test_prefetch_function_counts_and_skips_bad_objects(make_node: Callable[[str
     seed(make_node("a"), keys[:3])
     b = make_node("b")
     b.store.put(keys[3], b"not a chunk")
-    assert prefetch(b.engine, keys[:5]) == 3  # keys[3] fails verification, keys[4] does not exist
+    assert prefetch(b, keys[:5]) == 3  # keys[3] fails verification, keys[4] does not exist
     assert b.cache.contains_many(keys[:5]) == [True, True, True, False, False]
-    assert prefetch(b.engine, []) == 0
+    assert prefetch(b, []) == 0
 
 
 def test_a_cancelled_warm_stops_before_its_next_batch(make_node: Callable[[str], Node]) -> None:
@@ -229,7 +230,7 @@ def test_keys_follow_the_namespace_engines_or_are_refused(
     monkeypatch.setenv("PYTHONHASHSEED", "11")
     keys = chunk_keys(NS, TOKENS, algo="sha256_cbor", seed="11")
     a.engine.store_many([(k, raw_for(k)) for k in keys])
-    assert a.engine.flush(30)
+    assert a.flush(30)
     report = warm(b, NS.id, TOKENS, pin="cbor")
     assert (report.hash_algo, report.seed_fingerprint) == ("sha256_cbor", cbor.seed_fingerprint)
     assert (report.remote, report.prefetched, report.errors) == (10, 10, ())

@@ -15,6 +15,7 @@ from kvstore.errors import CacheError
 from kvstore.layout import LAYOUT_KEY
 from kvstore.migrations import LATEST_VERSION, Applied, MigrationError, load_steps, migrate
 from kvstore.stores.base import ObjectStore
+from tests.cache_helpers import admit
 
 _ENTRY = struct.Struct("<Q16sQ8sB")
 _U64 = struct.Struct("<Q")
@@ -119,10 +120,30 @@ def test_version_1_bucket_chunks_are_rewritten_bound_to_their_keys(s3_store: Obj
 def test_fresh_targets(tmp_path: Path, s3_store: ObjectStore) -> None:
     assert migrate(cache_dir=tmp_path / "none") == []  # no index yet: the cache creates it current
     with NVMeCache(tmp_path / "c", 1 << 20) as cache:
-        cache.put("k/a.bin", b"x")
+        assert admit(cache, "k/a.bin", b"x")
         assert migrate(cache_dir=tmp_path / "c") == []  # open here, so current (an older one is refused)
     assert migrate(cache_dir=tmp_path / "c") == []
     assert [(a.target, a.version) for a in migrate(store=s3_store)] == [("bucket", 1), ("bucket", 2)]
+
+
+def test_an_index_from_before_the_change_log_opens_and_logs(tmp_path: Path) -> None:
+    """Schema 2 as the previous release wrote it, without the ``changes`` sub-database or its counter: the
+    cache adds them at open (no migration), keeps every entry and numbers changes from 1."""
+    with NVMeCache(tmp_path, 1 << 20) as cache:
+        assert admit(cache, "k/a.bin", b"a") and admit(cache, "k/b.bin", b"b")
+    env = lmdb.open(str(tmp_path / "index"), max_dbs=8, map_size=1 << 24)
+    meta = env.open_db(b"meta")
+    changes = env.open_db(b"changes")
+    with env.begin(write=True) as txn:
+        txn.drop(changes, delete=True)
+        txn.delete(b"changes_next", db=meta)
+    env.close()
+    assert migrate(cache_dir=tmp_path) == []
+    with NVMeCache(tmp_path, 1 << 20) as cache:
+        assert cache.usage().entries == 2 and cache.fsck().clean
+        assert cache.change_seq() == 1 and cache.changes_since(1) == []
+        assert cache.discard("k/a.bin")
+        assert [(c.seq, c.key) for c in cache.changes_since(1)] == [(1, "k/a.bin")]
 
 
 def test_refuses_newer(tmp_path: Path, s3_store: ObjectStore) -> None:

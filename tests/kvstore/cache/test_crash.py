@@ -14,7 +14,8 @@ from pathlib import Path
 
 from cache_workers import blob_for, key_for, mixed_workload
 
-from kvstore.cache import NVMeCache
+from kvstore.cache import NVMeCache, ReadStatus
+from tests.cache_helpers import read_status
 
 WORKER = Path(__file__).with_name("cache_workers.py")
 CRASH_BUDGET = 60 * 8192  # about a quarter of the keys' chunks fit: writers evict all the time
@@ -23,17 +24,17 @@ SHARED_BUDGET = 30 * 8192
 
 
 def assert_reads_exact(cache: NVMeCache, n_keys: int, when: str = "") -> None:
-    """Every chunk the index holds reads back exactly; the others are misses. (`get` verifies and discards a
-    bad copy, so "a miss or the right bytes" would also accept a cache that loses or corrupts chunks.)"""
+    """Every chunk the index holds reads back exactly through the data path (status OK, not merely "a miss
+    or the right bytes", which would accept a cache that loses or corrupts chunks); the others are misses."""
     keys = [key_for(i) for i in range(n_keys)]
     held = cache.contains_many(keys)
     for key, present in zip(keys, held, strict=True):
-        data = cache.get(key)
+        status, data = read_status(cache, key)
         if present:
-            got = "nothing" if data is None else "wrong bytes"
-            assert data == blob_for(key), f"{when}: {key} is indexed but reads {got}"
+            assert status is ReadStatus.OK, f"{when}: {key} is indexed but reads {status}"
+            assert data == blob_for(key), f"{when}: {key} is indexed but reads wrong bytes"
         else:
-            assert data is None, f"{when}: {key} is not indexed but reads bytes"
+            assert status is None, f"{when}: {key} is not indexed but reads {status}"
 
 
 def test_two_processes_share_one_cache(cache_dir: Path) -> None:
@@ -56,6 +57,7 @@ def test_sigkilled_writers_never_corrupt_the_cache(cache_dir: Path) -> None:
     rng = random.Random(1234)
     rounds = 18
     cache = NVMeCache(cache_dir, CRASH_BUDGET)
+    seq = cache.change_seq()
     try:
         for round_no in range(rounds):
             child = subprocess.Popen(
@@ -70,13 +72,18 @@ def test_sigkilled_writers_never_corrupt_the_cache(cache_dir: Path) -> None:
             child.wait()
             child.stdout.close()
 
-            # fsck first: a read discards a bad copy, which would hide it from the check.
             report = cache.fsck()
             # A crash may only leave orphans (tmp files, files of uncommitted admissions or of evictions
             # committed but not yet unlinked); the index itself is always consistent.
             assert report.missing_files == () and report.bad_checksums == (), report
             assert report.usage_drift == 0 and report.entries_drift == 0 and report.lru_mismatches == 0
             assert cache.usage().used_bytes <= CRASH_BUDGET
+            # The change log is written in the transactions that change the entries: a killed writer leaves
+            # no gap and no half-written change.
+            changes = cache.changes_since(seq, limit=1 << 30)
+            assert [c.seq for c in changes] == list(range(seq, seq + len(changes)))
+            assert cache.change_seq() == seq + len(changes)
+            seq += len(changes)
             assert_reads_exact(cache, CRASH_KEYS, f"round {round_no}")
             cache.fsck(fix=True)
             assert cache.fsck().clean

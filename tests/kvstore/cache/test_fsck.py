@@ -14,17 +14,18 @@ from cache_workers import blob_for, key_for
 from kvstore.cache import NVMeCache, rebuild_index
 from kvstore.chunk import encode_legacy
 from kvstore.errors import CacheError
+from tests.cache_helpers import admit, evicted_since, locate, read_chunk
 
 
 def filled(cache_dir: Path, n: int = 6) -> NVMeCache:
     cache = NVMeCache(cache_dir, 10**6)
     for i in range(n):
-        assert cache.put(key_for(i), blob_for(key_for(i)))
+        assert admit(cache, key_for(i), blob_for(key_for(i)))
     return cache
 
 
 def path_of(cache: NVMeCache, key: str) -> Path:
-    loc = cache.locate(key)
+    loc = locate(cache, key)
     assert loc is not None
     return Path(loc.path)
 
@@ -47,14 +48,16 @@ def test_flipped_byte_is_a_bad_checksum_and_fix_removes_it(cache_dir: Path) -> N
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0x01
         path.write_bytes(bytes(data))
+        seq = cache.change_seq()
         report = cache.fsck()
         assert report.bad_checksums == (victim,)
         assert not report.clean and not report.fixed
-        assert cache.contains(victim), "fix=False changes nothing"
+        assert cache.contains_many([victim]) == [True], "fix=False changes nothing"
+        assert cache.change_seq() == seq, "fix=False logs nothing"
         fixed = cache.fsck(fix=True)
         assert fixed.bad_checksums == (victim,) and fixed.fixed
-        assert not path.exists() and not cache.contains(victim)
-        assert victim in cache.take_evicted()
+        assert not path.exists() and cache.contains_many([victim]) == [False]
+        assert evicted_since(cache, seq) == [victim], "the repair is in the node's change log"
         assert cache.fsck().clean
 
 
@@ -65,17 +68,20 @@ def test_another_keys_chunk_or_a_version_1_chunk_is_bad(cache_dir: Path) -> None
         path_of(cache, legacy).write_bytes(encode_legacy(blob_for(legacy)))
         assert sorted(cache.fsck().bad_checksums) == sorted([swapped, legacy])
         assert cache.fsck(verify_checksums=False).clean
+        seq = cache.change_seq()
         report = cache.fsck(fix=True)
-        assert not cache.contains(swapped) and cache.get(key_for(0)) == blob_for(key_for(0))
+        assert sorted(evicted_since(cache, seq)) == sorted([swapped, legacy])
+        assert cache.contains_many([swapped, legacy]) == [False, False]
+        assert read_chunk(cache, key_for(0)) == blob_for(key_for(0))
         assert report.lost_uploads == 0
 
 
 def test_fix_counts_removed_chunks_that_were_never_uploaded(cache_dir: Path) -> None:
     with NVMeCache(cache_dir, 10**6) as cache:
-        assert cache.put(key_for(0), blob_for(key_for(0)), pending_upload=True)
+        assert admit(cache, key_for(0), blob_for(key_for(0)), pending_upload=True)
         os.unlink(path_of(cache, key_for(0)))
         assert cache.fsck(fix=True).lost_uploads == 1
-        assert cache.take_lost_uploads() == {"fsck": 1}
+        assert cache.take_removals().lost_uploads == {"fsck": 1}
         assert cache.backlog().chunks == 0 and cache.fsck().clean
 
 
@@ -95,13 +101,15 @@ def test_orphans_missing_and_drift(cache_dir: Path) -> None:
         assert report.missing_files == (gone,)
         assert report.recorded_used_bytes == 1 and report.usage_drift > 0
         assert report.problems == 4
+        seq = cache.change_seq()
         cache.fsck(fix=True)
+        assert evicted_since(cache, seq) == [gone], "orphans and drift had no entry to log"
         after = cache.fsck()
         assert after.clean, after
         assert after.entries == 5 and after.actual_used_bytes == cache.usage().used_bytes
         assert not stray.exists()
         for i in (0, 1, 2, 3, 5):
-            assert cache.get(key_for(i)) == blob_for(key_for(i))
+            assert read_chunk(cache, key_for(i)) == blob_for(key_for(i))
 
 
 def test_young_orphans_are_spared(cache_dir: Path) -> None:
@@ -130,7 +138,7 @@ def test_a_damaged_index_is_refused_at_open_and_rebuilt_from_the_chunk_files(
 ) -> None:
     with filled(cache_dir, 40) as cache:
         cache.pin([key_for(0)])
-        cache.put(key_for(99), blob_for(key_for(99)), pending_upload=True)
+        admit(cache, key_for(99), blob_for(key_for(99)), pending_upload=True)
     data = cache_dir / "index" / "data.mdb"
     if damage == "truncate":
         os.truncate(data, 8192)
@@ -154,6 +162,6 @@ def test_a_damaged_index_is_refused_at_open_and_rebuilt_from_the_chunk_files(
     with NVMeCache(cache_dir, 10**6) as cache:
         assert cache.fsck().clean
         for i in [*range(40), 99]:
-            assert cache.get(key_for(i)) == blob_for(key_for(i))
+            assert read_chunk(cache, key_for(i)) == blob_for(key_for(i))
         # Whether a chunk had been uploaded was in the lost index: every one is queued again.
         assert cache.backlog().chunks == 41

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from pathlib import Path
 
 import lmdb
@@ -9,7 +10,7 @@ import pytest
 
 from kvstore.cache import SCHEMA_VERSION, NVMeCache
 from kvstore.cache.index import CacheIndex
-from kvstore.cache.records import MAX_KEY_BYTES, Backlog, Entry, encode_key
+from kvstore.cache.records import MAX_KEY_BYTES, Backlog, Change, ChangeKind, Entry, Eviction, encode_key
 from kvstore.errors import CacheError
 
 
@@ -185,5 +186,45 @@ def test_iter_entries_in_batches(tmp_path: Path) -> None:
         for i in range(25):
             index.admit(f"k{i:02d}", entry(1, i), 1000, {})
         assert [k for k, _ in index.iter_entries(batch=7)] == [f"k{i:02d}" for i in range(25)]
+    finally:
+        index.close()
+
+
+def test_changes_are_logged_by_the_transactions_that_make_them(tmp_path: Path) -> None:
+    index = CacheIndex(tmp_path)
+    try:
+        seq = index.change_seq()
+        index.admit_many([("a", entry(10, 1)), ("b", queued(10, 2, 50))], 20, {})
+        assert index.admit("c", entry(10, 3), 20, {}).victims[0][0] == "a"
+        assert index.remove("b", token=b"\1" * 8) is None  # another admission's entry: nothing happens
+        index.finish_uploads(["b"])
+        index.finish_uploads(["b", "zzz"])
+        assert index.remove("b") is not None
+        assert index.evict(10) == Eviction(), "nothing to do"
+        eviction = index.evict(0)
+        assert [k for k, _ in eviction.victims] == ["c"]
+        assert index.changes_since(seq) == [
+            Change(seq, ChangeKind.EVICTED, "a"),
+            Change(seq + 1, ChangeKind.UPLOADED, "b"),
+            Change(seq + 2, ChangeKind.REMOVED, "b"),
+            Change(seq + 3, ChangeKind.EVICTED, "c"),
+        ]
+        assert index.change_seq() == seq + 4
+        assert index.changes_since(seq + 4) == []
+        assert index.counters() == (0, 0, 0) and index.audit()[4] == 0
+    finally:
+        index.close()
+
+
+def test_evict_reports_the_victims_an_uploader_holds(tmp_path: Path) -> None:
+    index = CacheIndex(tmp_path)
+    try:
+        index.admit_many([("a", queued(10, 1, 100)), ("b", queued(10, 2, 200)), ("c", entry(10, 3))], 100, {})
+        assert [k for k, _ in index.claim_uploads(1, now_ns=time.time_ns(), lease_ns=60 * 10**9)] == ["a"]
+        eviction = index.evict(0)
+        assert [k for k, _ in eviction.victims] == ["c", "a", "b"], "uploaded first, then the oldest"
+        assert eviction.uploading == frozenset({"a"})
+        assert index.backlog() == Backlog(chunks=0, bytes=0, oldest_queued_ns=0)
+        assert index.audit() == (0, 0, 0, 0, 0)
     finally:
         index.close()

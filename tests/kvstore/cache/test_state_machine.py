@@ -1,12 +1,14 @@
 """The NVMe cache against a dict model, with random sizes and a small budget.
 
 Eviction is the cache's choice, so the model tracks what *may* be cached (the bytes last admitted per key) and
-what *must* be cached (admitted while pinned, or pinned while present); everything else may be a miss. The
-upload journal must hold exactly the resident chunks admitted as pending and not uploaded since.
+what *must* be cached (admitted while pinned, or pinned while present); everything else may be a miss. What
+left the cache is learnt from the node's change log, as engines learn it. The upload journal must hold exactly
+the resident chunks admitted as pending and not uploaded since.
 """
 
 from __future__ import annotations
 
+import collections
 import shutil
 import tempfile
 
@@ -14,8 +16,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvstore.cache import NVMeCache
+from kvstore.cache import ChangeKind, NVMeCache, ReadStatus
+from kvstore.cache.records import Removals
 from kvstore.chunk import HEADER_BLOCK, stored_size
+from tests.cache_helpers import admit, cached_keys, locate, read_status
 
 BUDGET = 6 * 4096
 KEYS = st.sampled_from([f"ns/{i:02d}.bin" for i in range(6)])
@@ -30,6 +34,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.pins: dict[str, int] = {}
         self.must_have: set[str] = set()
         self.pending: set[str] = set()  # admitted as not yet uploaded
+        self.seq = self.cache.change_seq()  # where this model's reading of the change log stands
+        self.evictions = 0  # in the change log and not yet in take_removals
+        self.lost: collections.Counter[str] = collections.Counter()  # likewise, chunks never uploaded
 
     def teardown(self) -> None:
         self.cache.close()
@@ -39,11 +46,29 @@ class CacheMachine(RuleBasedStateMachine):
     def start_empty(self) -> None:
         assert self.cache.usage().entries == 0
 
-    def _forget_evicted(self) -> None:
-        for key in self.cache.take_evicted():
-            assert key not in self.must_have, f"pinned {key} was removed"
+    def _changes(self) -> list[tuple[ChangeKind, str]]:
+        changes = self.cache.changes_since(self.seq, limit=1 << 20)
+        assert [c.seq for c in changes] == list(range(self.seq, self.seq + len(changes))), "a gap in the log"
+        self.seq += len(changes)
+        return [(c.kind, c.key) for c in changes]
+
+    def _forget_evicted(self, *, removed: frozenset[str] = frozenset()) -> list[str]:
+        """Apply what the change log says left the cache; returns the keys evicted, in order. Only the keys
+        in `removed` (the caller's own discard) may be REMOVED: nothing else here damages chunks."""
+        evicted: list[str] = []
+        for kind, key in self._changes():
+            assert kind is not ChangeKind.UPLOADED, "only the upload rule finishes uploads"
+            if kind is ChangeKind.EVICTED:
+                assert key not in self.must_have, f"pinned {key} was evicted"
+                evicted.append(key)
+            else:
+                assert key in removed, f"{key} was removed ({kind.name}) unasked"
+            if key in self.pending:  # its only copy (no claim outlives its call here: lease_s=0)
+                self.lost["evicted" if kind is ChangeKind.EVICTED else "discarded"] += 1
             self.stored.pop(key, None)
             self.pending.discard(key)
+        self.evictions += len(evicted)
+        return evicted
 
     @rule(
         key=KEYS,
@@ -53,10 +78,10 @@ class CacheMachine(RuleBasedStateMachine):
     )
     def put(self, key: str, size: int, fill: bytes, pending: bool) -> None:
         blob = fill * size
-        present = self.cache.contains(key)
-        resident = list(self.cache.keys())
+        present = self.cache.contains_many([key])[0]
+        resident = cached_keys(self.cache)
         pinned_bytes = sum(stored_size(len(self.stored[k])) for k in resident if self.pins.get(k, 0))
-        admitted = self.cache.put(key, blob, pending_upload=pending)
+        admitted = admit(self.cache, key, blob, pending_upload=pending)
         if present or stored_size(size) > BUDGET:
             assert not admitted
         else:
@@ -80,22 +105,38 @@ class CacheMachine(RuleBasedStateMachine):
         else:
             self.cache.finish_uploads(keys)
             self.pending -= set(keys)
+        assert self._changes() == [(ChangeKind.UPLOADED, k) for k in ([] if fail else keys)]
 
     @rule(key=KEYS)
-    def get(self, key: str) -> None:
-        data = self.cache.get(key)
+    def load(self, key: str) -> None:
+        status, data = read_status(self.cache, key)
         if key in self.must_have:
-            assert data is not None
-        if data is None:
-            self._forget_evicted()
-            self.stored.pop(key, None)
-            self.pending.discard(key)
-        else:
+            assert status is ReadStatus.OK
+        assert status in (None, ReadStatus.OK), f"{key}: {status}"
+        if status is ReadStatus.OK:
             assert data == self.stored[key]
+        else:
+            assert key not in self.stored, "a miss the change log did not announce"
+
+    @rule(goal=st.integers(0, BUDGET))
+    def evict(self, goal: int) -> None:
+        resident = cached_keys(self.cache)
+        sizes = {k: stored_size(len(self.stored[k])) for k in resident}
+        evicted = self.cache.evict(goal)
+        assert self._forget_evicted() == evicted
+        assert self.cache.take_removals() == Removals(self.evictions, dict(self.lost))
+        self.evictions, self.lost = 0, collections.Counter()
+        left = cached_keys(self.cache)
+        assert set(left) == set(resident) - set(evicted)
+        # Down to the goal unless only pinned chunks are left, and no further than that.
+        used = self.cache.usage().used_bytes
+        assert used <= goal or all(self.pins.get(k, 0) for k in left)
+        if evicted:
+            assert used + sizes[evicted[-1]] > goal
 
     @rule(key=KEYS)
     def locate(self, key: str) -> None:
-        loc = self.cache.locate(key)
+        loc = locate(self.cache, key)
         if loc is not None:
             with open(loc.path, "rb") as f:
                 data = f.read()
@@ -109,7 +150,7 @@ class CacheMachine(RuleBasedStateMachine):
     def discard(self, key: str) -> None:
         self.must_have.discard(key)  # an explicit discard may remove a pinned key
         self.cache.discard(key)
-        self._forget_evicted()
+        self._forget_evicted(removed=frozenset([key]))
         self.stored.pop(key, None)
         self.pending.discard(key)
 
@@ -117,7 +158,7 @@ class CacheMachine(RuleBasedStateMachine):
     def pin(self, key: str) -> None:
         self.cache.pin([key])
         self.pins[key] = self.pins.get(key, 0) + 1
-        if self.cache.contains(key):
+        if self.cache.contains_many([key])[0]:
             self.must_have.add(key)
 
     @rule(key=KEYS)
@@ -139,10 +180,10 @@ class CacheMachine(RuleBasedStateMachine):
     def usage_is_consistent(self) -> None:
         usage = self.cache.usage()
         assert usage.used_bytes <= BUDGET
-        keys = list(self.cache.keys())
+        keys = cached_keys(self.cache)
         assert usage.entries == len(keys)
         assert usage.used_bytes == sum(stored_size(len(self.stored[k])) for k in keys)
-        assert set(keys) <= set(self.stored)
+        assert set(keys) == set(self.stored), "every departure is in the change log"
         assert self.must_have <= set(keys)
         assert usage.pinned_entries == sum(1 for k in keys if self.pins.get(k, 0))
         for key, count in self.pins.items():
@@ -176,7 +217,11 @@ def test_final_fsck_after_random_run() -> None:
                     cache.pin([key])
                 elif rng.random() < 0.1:
                     cache.unpin([key])
-                cache.put(key, bytes([len(key)]) * rng.randrange(3 * 4096), pending_upload=rng.random() < 0.5)
+                admit(
+                    cache, key, bytes([len(key)]) * rng.randrange(3 * 4096), pending_upload=rng.random() < 0.5
+                )
+                if rng.random() < 0.05:
+                    cache.evict(rng.randrange(BUDGET))
             assert cache.usage().used_bytes <= BUDGET
             assert cache.fsck().clean
     finally:

@@ -1,17 +1,18 @@
-"""Node-wide figures: every process adds its own counter increments to the cache index, so `kvstore stats`
-and the admin service report what the node's tiers did, not what the tool's own process did (nothing).
+"""Node-wide figures: every process adds its counters' growth to the cache index, so `kvstore stats` and the
+admin service report what the node did (every engine, the agent), not what their own process did (nothing).
 
-Each engine publishes the growth of its lookup, hit, byte and failure counters since its last publication,
-at most every ``every_s`` seconds, from the probe thread's spare time, and once more when it closes. A crash
-loses at most the last interval's figures.
+``NodeCounters`` turns one process's cumulative metrics into increments since its last publication and hands
+them to a sink, at most every ``every_s`` seconds and once more at the end: an engine sends them to the node
+agent (``AgentLink.counters``), which adds them to the index with its own (``NVMeCache.add_counters``). A
+crash loses at most the last interval's figures; so does an agent that is down.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 
-from kvstore.cache import NVMeCache
 from kvstore.errors import KVStoreError
 from kvstore.metrics import TIERS, EngineMetrics
 
@@ -25,9 +26,11 @@ def counter_name(tier: str, field: str) -> str:
 
 
 class NodeCounters:
-    def __init__(self, metrics: EngineMetrics, cache: NVMeCache, *, every_s: float = 2.0) -> None:
+    def __init__(
+        self, metrics: EngineMetrics, sink: Callable[[Mapping[str, int]], None], *, every_s: float = 2.0
+    ) -> None:
         self._metrics = metrics
-        self._cache = cache
+        self._sink = sink
         self._every = every_s
         self._published: dict[str, int] = {}
         self._at = time.monotonic()
@@ -41,7 +44,7 @@ class NodeCounters:
         now = self._current()
         deltas = {name: value - self._published.get(name, 0) for name, value in now.items()}
         try:
-            self._cache.add_counters(deltas)
+            self._sink({name: delta for name, delta in deltas.items() if delta})
         except KVStoreError as exc:  # figures only: try again next time
             log.debug("could not publish node counters: %s", exc)
             return

@@ -2,13 +2,13 @@
 
 The NVMe cache is the write-behind queue (see ``kvstore.cache.index``, ``uploads``): a stored chunk is on
 NVMe and in the journal before its store job reports, so nothing is lost when the store is slow, down or
-rejecting writes, or when the process dies; the next process to open the cache picks up where this one
-stopped. One loop claims a batch (a lease in the index, so the node's processes share the work), PUTs it from
-the NVMe files on the upload threads, and records the outcome in one transaction. Uploads yield to the
-tier's loads and stores (``activity``): they wait for a quiet moment, and a node that never pauses gets a
-trickle of small batches, one a second. Memory for uploads is one chunk per upload thread. A failed PUT opens
-the breaker and leaves the chunk in the journal, to be retried after the cooldown; a chunk evicted before its
-upload is counted (``kvstore:uploads_lost``).
+rejecting writes, or when a process dies; the node agent picks up where it, or its predecessor, stopped. One
+loop claims a batch (a lease in the index: a claim whose holder died expires), PUTs it from the NVMe files on
+the upload threads, and records the outcome in one transaction, which also tells the node's engines (the
+change log). The agent runs at idle priority, so uploads take only what the engines leave of the CPU and the
+disk. Memory for uploads is one chunk per upload thread. A failed PUT opens the breaker and leaves the chunk
+in the journal, to be retried after the cooldown; a chunk evicted before its upload is counted
+(``kvstore:uploads_lost``).
 """
 
 from __future__ import annotations
@@ -17,25 +17,22 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 from kvstore.cache import CachedChunk, NVMeCache
 from kvstore.engine import io
-from kvstore.engine.activity import Activity
+from kvstore.engine.bad_chunks import nvme_copy_corrupt
 from kvstore.engine.breaker import Breaker
 from kvstore.engine.threads import EngineThreads
-from kvstore.errors import CacheClosed, CacheError, KVStoreError, StoreError
+from kvstore.errors import CacheClosed, CacheError, ChunkUnreadable, KVStoreError, StoreError
 from kvstore.metrics import EngineMetrics
 from kvstore.stores import ObjectStore
 
 log = logging.getLogger(__name__)
 
 _CLAIM = 64  # chunks per claim: one index transaction claims them, one records them
-_CLAIM_BUSY = 8  # ... while the tier's loads and stores keep the node busy: a trickle that always progresses
 _LEASE_S = 120.0  # a claim older than this is taken over (its process died, or hung)
 _IDLE_WAIT_S = 0.5
-_QUIET_S = 0.01
-_MAX_YIELD_S = 1.0
+_UNREADABLE_RETRY_S = 3600.0
 
 
 class _Outcome(enum.Enum):
@@ -43,6 +40,7 @@ class _Outcome(enum.Enum):
     DEFERRED = "deferred"  # the store failed: retry after the cooldown
     GONE = "gone"  # evicted after we claimed it, before we read it
     DAMAGED = "damaged"  # the NVMe copy fails its check: never uploaded
+    UNREADABLE = "unreadable"  # written by a newer kvstore on this node: left for an agent that can check it
 
 
 class Uploader:
@@ -54,41 +52,24 @@ class Uploader:
         metrics: EngineMetrics,
         threads: EngineThreads,
         *,
-        activity: Activity,
         cooldown_s: float,
-        on_uploaded: Callable[[list[str]], None],
-        on_damaged: Callable[[str, str], None],
     ) -> None:
         self._cache = cache
         self._store = store
         self._breaker = breaker
         self._metrics = metrics
         self._threads = threads
-        self._activity = activity
         self._cooldown = cooldown_s
-        self._on_uploaded = on_uploaded
-        self._on_damaged = on_damaged
         self._wake = threading.Event()
         self._stopping = threading.Event()
-        self._idle = threading.Event()
 
     def kick(self) -> None:
-        """New chunks are in the journal (never blocks)."""
+        """New chunks may be in the journal (never blocks)."""
         self._wake.set()
 
     def stop(self) -> None:
         self._stopping.set()
         self._wake.set()
-
-    def wait_drained(self, timeout: float) -> bool:
-        """Wait until the journal is empty (every process's part of it); False on timeout."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._cache.backlog().chunks == 0:
-                return True
-            self.kick()
-            time.sleep(0.02)
-        return self._cache.backlog().chunks == 0
 
     def run(self) -> None:
         """The upload loop (one service thread); returns after ``stop``."""
@@ -110,25 +91,24 @@ class Uploader:
     def _round(self) -> bool:
         if not self._breaker.available():
             return False
-        # Loads and stores first: the journal holds what waits, and a batch goes at least every second.
-        quiet = self._activity.wait_quiet(_QUIET_S, _MAX_YIELD_S, self._stopping)
-        claimed = self._cache.claim_uploads(_CLAIM if quiet else _CLAIM_BUSY, lease_s=_LEASE_S)
+        claimed = self._cache.claim_uploads(_CLAIM, lease_s=_LEASE_S)
         if not claimed:
             return False
         outcomes = self._threads.map(self._threads.upload, self._threads.upload_workers, self._one, claimed)
-        done = [c.key for c, o in zip(claimed, outcomes, strict=True) if o is not _Outcome.DEFERRED]
+        kept = (_Outcome.DEFERRED, _Outcome.UNREADABLE)
+        done = [c.key for c, o in zip(claimed, outcomes, strict=True) if o not in kept]
         deferred = [c.key for c, o in zip(claimed, outcomes, strict=True) if o is _Outcome.DEFERRED]
+        unreadable = [c.key for c, o in zip(claimed, outcomes, strict=True) if o is _Outcome.UNREADABLE]
+        if unreadable:
+            self._cache.finish_uploads((), unreadable, retry_in_s=_UNREADABLE_RETRY_S)
         # A chunk evicted while claimed was not counted by its eviction: count it here unless it made it.
         evicted = self._cache.finish_uploads(done, deferred, retry_in_s=self._cooldown)
         evicted += [c.key for c, o in zip(claimed, outcomes, strict=True) if o is _Outcome.GONE]
         if evicted:
             self._metrics.uploads_lost.labels("evicted").inc(len(evicted))
-        uploaded = [c.key for c, o in zip(claimed, outcomes, strict=True) if o is _Outcome.UPLOADED]
-        if uploaded:
-            self._on_uploaded(uploaded)
         if deferred:
             self._metrics.upload_retries.inc(len(deferred))
-        return bool(uploaded)
+        return any(o is _Outcome.UPLOADED for o in outcomes)
 
     def _one(self, located: CachedChunk) -> _Outcome:
         if not self._breaker.available():
@@ -138,8 +118,12 @@ class Uploader:
             sent = io.upload(self._cache, self._store, located)
         except FileNotFoundError:
             return _Outcome.GONE
+        except ChunkUnreadable as exc:
+            log.warning("queued chunk %s is not for this agent (%s): left in the journal", located.key, exc)
+            self._metrics.unreadable.labels("nvme").inc()
+            return _Outcome.UNREADABLE
         except CacheError as exc:
-            self._on_damaged(located.key, str(exc))
+            nvme_copy_corrupt(self._cache, located.key, str(exc), self._metrics)
             return _Outcome.DAMAGED
         except StoreError as exc:
             self._breaker.failed("put", exc)
@@ -148,3 +132,13 @@ class Uploader:
         self._metrics.write_seconds.labels("object").observe(time.perf_counter() - start)
         self._metrics.write_bytes.labels("object").inc(sent)
         return _Outcome.UPLOADED
+
+
+def wait_uploaded(cache: NVMeCache, timeout_s: float) -> bool:
+    """Wait until the node's upload journal is empty (whoever uploads it); False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while cache.backlog().chunks:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True

@@ -1,0 +1,41 @@
+"""Keeping the NVMe cache inside its budget, off the data path.
+
+The agent evicts (least recently used first, uploaded chunks before those still waiting for upload, never a
+pinned one) whenever the cache holds more than ``high`` of its effective budget, down to ``low``: the
+engines' stores then find room without evicting inside their own commits. The effective budget follows the
+disk (``NVMeCache.effective_budget``): a filesystem with less room than ``cache_bytes`` shrinks it. With the
+agent down, a store that finds the budget exceeded evicts in its own commit, so the budget always holds.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvstore.cache import NVMeCache
+from kvstore.engine.bad_chunks import count_removals
+from kvstore.metrics import EngineMetrics
+
+log = logging.getLogger(__name__)
+
+
+class Evictor:
+    def __init__(
+        self, cache: NVMeCache, metrics: EngineMetrics, *, low: float = 0.90, high: float = 0.95
+    ) -> None:
+        if not 0 < low < high <= 1:
+            raise ValueError(f"eviction watermarks must satisfy 0 < low < high <= 1, got {low}, {high}")
+        self._cache = cache
+        self._metrics = metrics
+        self._low = low
+        self._high = high
+
+    def check(self) -> list[str]:
+        """Evict down to the low watermark if usage passed the high one; the keys evicted."""
+        budget = self._cache.effective_budget()
+        if self._cache.used_bytes() <= budget * self._high:
+            return []
+        evicted = self._cache.evict(int(budget * self._low))
+        count_removals(self._cache, self._metrics)
+        if evicted:
+            log.debug("evicted %d chunks to stay within %d bytes", len(evicted), budget)
+        return evicted

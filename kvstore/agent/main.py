@@ -1,0 +1,76 @@
+"""Running the node agent as a process: `kvstore agent` (an operator's DaemonSet container or systemd unit)
+and `python -m kvstore.agent` (what an engine starts when the node has none). Both end in `run_agent`."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+
+from prometheus_client import REGISTRY, start_http_server
+
+from kvstore.agent.node_agent import AgentAlreadyRunning, NodeAgent
+from kvstore.agent.supervisor import lower_priority
+from kvstore.config import Settings
+from kvstore.engine.threads import EngineThreads
+from kvstore.metrics import EngineMetrics
+from kvstore.runtime import open_cache, open_object_store
+
+log = logging.getLogger(__name__)
+
+
+def run_agent(
+    settings: Settings,
+    *,
+    exit_when_idle_s: float | None = None,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
+) -> int:
+    """Run the agent of ``settings.cache_dir`` until SIGTERM/SIGINT (or, with ``exit_when_idle_s``, until no
+    engine has used the cache that long and nothing waits for upload). Exit status: 0, or 1 when another
+    agent already runs for that directory (nothing to do)."""
+    lower_priority(whole_process=True)  # the threads libraries started, and every thread started from now on
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    store, server = open_object_store(settings)
+    cache = open_cache(settings)
+    metrics = EngineMetrics.for_registry(REGISTRY)
+    threads = EngineThreads(
+        io_workers=settings.io_workers,
+        disk_workers=settings.disk_workers,
+        upload_workers=settings.upload_workers,
+    )
+    agent = NodeAgent(
+        cache,
+        store,
+        metrics=metrics,
+        threads=threads,
+        outage_cooldown_s=settings.outage_cooldown_s,
+        pin_sync_s=settings.pin_sync_s,
+        exit_when_idle_s=exit_when_idle_s,
+    )
+    try:
+        try:
+            agent.start()
+        except AgentAlreadyRunning as exc:
+            log.info("%s: nothing to do", exc)
+            return 1
+        if metrics_port:
+            start_http_server(metrics_port, addr=metrics_host, registry=REGISTRY)
+            log.info("agent metrics on http://%s:%d/metrics", metrics_host, metrics_port)
+        while not stop.is_set() and not agent.wait(0.5):
+            pass
+        return 0
+    finally:
+        agent.stop()
+        threads.join(10.0)
+        cache.close()
+        store.close()
+        if server is not None:
+            server.stop()

@@ -1,0 +1,256 @@
+"""`NodeAgent`: the node's background work on one cache directory, run by one process per node.
+
+It owns everything no request waits on, so vLLM's process pays only for the loads and stores a request
+needs:
+
+==============  ===========================================================================================
+``uploads``     drains the upload journal into the object store (``Uploader``)
+``admission``   fetches the object-store hits engines report and admits them to NVMe (``Admitter``)
+``eviction``    keeps the cache below its budget and the disk's free space (``Evictor``)
+touches         applies the engines' "used" hints to the LRU order and records them for GC (access records)
+counters        adds the engines' figures and its own to the node's counters
+pin sync        makes the node's pins follow the bucket's manifests
+change log      trims the log the engines read their KV events from
+==============  ===========================================================================================
+
+It runs at idle CPU and I/O priority (``supervisor.lower_priority``) in a process of its own (``kvstore
+agent``, or started by the first engine on the node), or hosted by another process (the admin service, a
+test). Engines reach it through hints (``link``); with it down they keep serving, and the journal waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from kvstore.access import AccessRecorder
+from kvstore.agent.admission import Admitter
+from kvstore.agent.eviction import Evictor
+from kvstore.agent.link import HintInbox, Hints
+from kvstore.agent.supervisor import HEARTBEAT_S, AgentLock, live_engines, lower_priority
+from kvstore.agent.uploads import Uploader
+from kvstore.cache import NVMeCache
+from kvstore.engine.bad_chunks import count_removals
+from kvstore.engine.breaker import Breaker
+from kvstore.engine.node_counters import NodeCounters
+from kvstore.engine.threads import EngineThreads
+from kvstore.errors import CacheClosed, KVStoreError
+from kvstore.metrics import EngineMetrics
+from kvstore.pin_sync import PinSyncLoop
+from kvstore.stores import ObjectStore
+
+log = logging.getLogger(__name__)
+
+_CHANGES_KEPT = 200_000  # about 30 MB of index; an engine reads the log every fraction of a second
+_EVICT_EVERY_S = 0.5
+_TRIM_EVERY_S = 30.0
+
+
+class AgentAlreadyRunning(KVStoreError):
+    """Another agent holds this cache directory's lock."""
+
+
+class NodeAgent:
+    def __init__(
+        self,
+        cache: NVMeCache,
+        store: ObjectStore | None,
+        *,
+        metrics: EngineMetrics,
+        threads: EngineThreads,
+        outage_cooldown_s: float = 5.0,
+        pin_sync_s: float = 60.0,
+        access_flush_s: float = 60.0,
+        exit_when_idle_s: float | None = None,
+        idle_priority: bool = True,
+        publish_counters: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``idle_priority``: lower the agent's threads to SCHED_IDLE and the idle I/O class (in a process of
+        its own; a host process whose other threads need the GIL keeps normal priority, or an idle thread
+        holding the GIL would stall them). ``publish_counters``: add ``metrics``' growth to the node's
+        counters (off when the host process publishes that registry itself). ``exit_when_idle_s``: stop once
+        no engine has used the cache that long and nothing waits (an agent an engine started)."""
+        self.cache = cache
+        self.store = store
+        self.metrics = metrics
+        self._threads = threads
+        self._cooldown = outage_cooldown_s
+        self._pin_sync_s = pin_sync_s
+        self._access_flush_s = access_flush_s
+        self._exit_when_idle = exit_when_idle_s
+        self._idle_priority = idle_priority
+        self._clock = clock
+        self._publish_counters = publish_counters
+        self._lock = AgentLock(cache.directory)
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.hints_received = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    def start(self, *, wait_s: float = 10.0) -> None:
+        """Become the node's agent and run on a thread of its own; AgentAlreadyRunning if another is."""
+        if not self._lock.acquire(wait_s=wait_s):
+            raise AgentAlreadyRunning(f"a node agent already runs for {self.cache.directory}")
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="kvstore-agent", daemon=True)
+        self._thread.start()
+        ready.wait(10.0)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the agent has stopped (by `stop`, or on its own when idle); whether it has."""
+        return self._stopped.wait(timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop and release the node's lock (idempotent). Work in flight finishes or stays in the journal."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- the loop ----------------------------------------------------------------------------------------
+
+    def _run(self, ready: threading.Event) -> None:
+        if self._idle_priority:
+            lower_priority()  # this thread and every thread it starts: uploads, admission, pools
+        work: _Work | None = None
+        try:
+            work = self._start_work()
+            ready.set()
+            log.info("node agent running on %s", self.cache.directory)
+            self._loop(work)
+            work.counters.publish()
+        except CacheClosed:
+            log.info("node agent: the cache was closed, stopping")
+        except Exception:
+            log.exception("node agent failed")
+        finally:
+            ready.set()
+            if work is not None:
+                work.stop()
+            with contextlib.suppress(KVStoreError):
+                self.cache.flush()
+            self._lock.release()
+            self._stopped.set()
+            log.info("node agent stopped")
+
+    def _start_work(self) -> _Work:
+        work = _Work(
+            inbox=HintInbox(self.cache.directory),
+            evictor=Evictor(self.cache, self.metrics),
+            counters=NodeCounters(
+                self.metrics, self.cache.add_counters if self._publish_counters else _ignore
+            ),
+        )
+        if self.store is not None:
+            breaker = Breaker(self._cooldown, self.metrics, self._clock)
+            work.uploader = Uploader(
+                self.cache, self.store, breaker, self.metrics, self._threads, cooldown_s=self._cooldown
+            )
+            work.admitter = Admitter(self.cache, self.store, self._threads, breaker, self.metrics)
+            work.services = [
+                _service("kvstore-uploads", work.uploader.run),
+                _service("kvstore-admission", work.admitter.run),
+            ]
+            work.access = AccessRecorder(self.store, interval_s=self._access_flush_s)
+            if self._pin_sync_s:
+                work.pin_sync = PinSyncLoop(self.cache, self.store, self._pin_sync_s)
+        return work
+
+    def _loop(self, work: _Work) -> None:
+        now = self._clock()
+        beat_at = evict_at = trim_at = now
+        idle_since: float | None = None
+        while not self._stopping.is_set():
+            for hints in work.inbox.receive(timeout=min(HEARTBEAT_S, _EVICT_EVERY_S)):
+                self._take(hints, work)
+            now = self._clock()
+            if now >= beat_at:
+                self._lock.heartbeat()
+                beat_at = now + HEARTBEAT_S
+                work.counters.maybe_publish()
+                count_removals(self.cache, self.metrics)
+                if self._exit_when_idle is not None:
+                    idle_since = self._idle_since(idle_since, now, work)
+                    if idle_since is not None and now - idle_since >= self._exit_when_idle:
+                        log.info(
+                            "no engine has used %s for %.0f s: exiting",
+                            self.cache.directory,
+                            now - idle_since,
+                        )
+                        return
+            if now >= evict_at:
+                work.evictor.check()
+                evict_at = now + _EVICT_EVERY_S
+            if now >= trim_at:
+                self.cache.trim_changes(_CHANGES_KEPT)
+                trim_at = now + _TRIM_EVERY_S
+
+    def _take(self, hints: Hints, work: _Work) -> None:
+        self.hints_received += 1
+        if hints.touched:
+            self.cache.touch(hints.touched)
+        if work.access is not None:
+            work.access.record(hints.touched)
+            work.access.record(hints.stored)
+        if hints.stored and work.uploader is not None:
+            work.uploader.kick()
+        if hints.fetched and work.admitter is not None:
+            work.admitter.offer(hints.fetched)
+        if hints.counters:
+            self.cache.add_counters(hints.counters)
+
+    def _idle_since(self, since: float | None, now: float, work: _Work) -> float | None:
+        busy = (
+            bool(live_engines(self.cache.directory))
+            or self.cache.backlog().chunks > 0
+            or (work.admitter is not None and work.admitter.queued > 0)
+        )
+        if busy:
+            return None
+        return now if since is None else since
+
+
+@dataclass
+class _Work:
+    """The parts of a running agent."""
+
+    inbox: HintInbox
+    evictor: Evictor
+    counters: NodeCounters
+    uploader: Uploader | None = None
+    admitter: Admitter | None = None
+    access: AccessRecorder | None = None
+    pin_sync: PinSyncLoop | None = None
+    services: list[threading.Thread] = field(default_factory=list)
+
+    def stop(self) -> None:
+        for part in (self.uploader, self.admitter):
+            if part is not None:
+                part.stop()
+        for thread in self.services:
+            thread.join(30.0)
+        if self.pin_sync is not None:
+            self.pin_sync.stop()
+        if self.access is not None:
+            self.access.close()
+        self.inbox.close()
+
+
+def _ignore(deltas: Mapping[str, int]) -> None:
+    pass
+
+
+def _service(name: str, loop: Callable[[], None]) -> threading.Thread:
+    thread = threading.Thread(target=loop, name=name, daemon=True)
+    thread.start()
+    return thread

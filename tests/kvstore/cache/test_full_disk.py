@@ -1,0 +1,107 @@
+"""A cache on a disk far smaller than its budget: a real 8 MiB tmpfs under ``cache_bytes`` = 50 GiB. The
+cache keeps to the free space, warns at start, and a full disk makes it evict, never stop caching."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstore.cache import NVMeCache, StagedFile
+from kvstore.chunk import encode
+from kvstore.errors import CacheFull
+from tests.cache_helpers import read_chunk
+
+DISK_MIB = 8
+CHUNK = 256 * 1024
+BATCHES = 60  # store jobs of 1 to 4 chunks, each written before one commit: 150 chunks, 37.5 MiB
+
+
+def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = _run("mount", "-t", "tmpfs", "-o", f"size={DISK_MIB}m", "tmpfs", str(mount))
+    if done.returncode != 0:
+        pytest.skip(
+            f"cannot mount a {DISK_MIB} MiB tmpfs here, and a full disk needs a real one: {done.stderr}"
+        )
+    try:
+        yield mount
+    finally:
+        if _run("umount", str(mount)).returncode != 0:
+            _run("umount", "-l", str(mount))
+
+
+def _space(path: Path) -> tuple[int, int]:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def _key(i: int) -> str:
+    return f"llama_abc123def456_r0/abc/de_g0/{i:064x}.bin"
+
+
+def test_a_disk_smaller_than_the_budget_keeps_caching(
+    small_disk: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    directory = small_disk / "cache"
+    with caplog.at_level(logging.WARNING, logger="kvstore.cache"), NVMeCache(directory, 50 << 30) as cache:
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("cache_bytes" in m and str(directory) in m for m in warned), "a start-up warning"
+        free, total = _space(directory)
+        assert total <= DISK_MIB << 20
+        budget = cache.effective_budget()
+        assert 0 < budget < free, "an empty cache may take the free space, less a reserve"
+        assert cache.effective_budget(written_bytes=CHUNK) == budget + CHUNK
+
+        full = 0
+        admitted = 0
+        for batch in range(BATCHES):
+            keys = [_key(batch * 4 + j) for j in range(1 + batch % 4)]
+            raws = [os.urandom(CHUNK) for _ in keys]
+            staged: list[StagedFile] = []
+            for key, raw in zip(keys, raws, strict=True):
+                chunk = encode(key, raw)
+                try:
+                    staged.append(cache.write_file(chunk.header, chunk.parts()))
+                except CacheFull:
+                    full += 1
+                    cache.make_room(chunk.header.total_length)  # what kvstore.engine.writes does
+                    staged.append(cache.write_file(chunk.header, chunk.parts()))
+            assert cache.commit(staged) == [True] * len(keys), f"batch {batch}"
+            admitted += len(keys)
+            free, _ = _space(directory)
+            used = cache.used_bytes()
+            assert used + free <= total, "usage stays within the filesystem"
+            # A commit evicts down to what the filesystem has room for (a reserve left free for the index and
+            # everything else), not only to cache_bytes.
+            assert used <= cache.effective_budget() <= used + free
+            assert [read_chunk(cache, key) for key in keys] == raws, "the newest chunks read back whole"
+
+        assert admitted == 150
+        # A chunk bigger than the room the reserve leaves (another model's larger blocks on the same node):
+        # the disk is full though the cache is within its effective budget, and make_room must evict for it.
+        for i in range(4):
+            key, raw = _key(1000 + i), os.urandom(4 * CHUNK)
+            chunk = encode(key, raw)
+            assert _space(directory)[0] < chunk.header.total_length
+            with pytest.raises(CacheFull):
+                cache.write_file(chunk.header, chunk.parts())
+            assert len(cache.make_room(chunk.header.total_length)) >= 4
+            assert cache.commit([cache.write_file(chunk.header, chunk.parts())]) == [True]
+            assert read_chunk(cache, key) == raw
+        free, _ = _space(directory)
+        assert cache.used_bytes() + free <= total
+        assert full > 0, "the disk filled up: the way out of CacheFull was taken"
+        assert cache.effective_budget() < total
+        assert cache.fsck().clean
+        assert not list(directory.rglob("*.tmp")), "no write cut short by the full disk left a file"
