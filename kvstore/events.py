@@ -12,12 +12,16 @@ unchanged. The format mirrors `vllm/distributed/kv_events.py` (this module impor
 - each event a map tagged `"type": "BlockRemoved"` with `block_hashes`, `medium`, `group_idx`, `locality`,
   `ownership` (fields at their default are omitted, as vLLM's structs do).
 
-Values match what our vLLM tier (`connector/tier_events.py`) reports through vLLM for the bucket copy of the
-same chunks: medium `STORAGE`, locality `REMOTE` by default (the `object_locality` setting), ownership
-`KVStoreTier/object`. The NVMe copy is a residency of its own (`KVStoreTier/nvme`), so GC's removals never
-touch it. A block hash is the one in the chunk's key (`<hash hex>.bin`, FileMapper naming);
-like vLLM, it is sent as an int (the low 64 bits, big-endian) unless `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`,
-in which case the raw bytes go out. A batch holds one event per KV-cache group (`_g<group>` in the key).
+Values match the one residency our vLLM tier (`connector/tier_events.py`) reports for a chunk, "this
+instance's tier holds it" (its NVMe copy or the bucket's): medium `STORAGE` and no `ownership`; Dynamo's KV
+indexer drops every event that carries one, and every event whose locality is REMOTE. The locality defaults to
+LOCAL, the tier's own; the admin service passes `object_locality`, which must then be LOCAL for Dynamo to
+apply GC's removals. A router applies them to an instance when it reads this publisher as one more feed of
+that instance (Dynamo: `POST /register` with the instance's id and a spare `dp_rank`; the batch's
+`data_parallel_rank`, 0, names the engine's rank the removals apply to). A block hash is the one in the
+chunk's key (`<hash hex>.bin`, FileMapper naming); like vLLM, it is sent as an int (the low 64 bits,
+big-endian) unless `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`, in which case the raw bytes go out. A batch
+holds one event per KV-cache group (`_g<group>` in the key).
 
 Endpoints follow vLLM's rule: `tcp://*:port`, `ipc://` and `inproc://` bind; `tcp://host:port` connects (to a
 subscriber that binds). The socket is an XPUB, which is a PUB on the wire but also sees subscriptions, so a
@@ -42,6 +46,7 @@ from kvstore.errors import ConfigError
 from kvstore.keys import chunk_key_to_offload_key, split_offload_key
 
 __all__ = [
+    "LOCALITY_LOCAL",
     "LOCALITY_REMOTE",
     "LOCALITY_VALUES",
     "MEDIUM_STORAGE",
@@ -58,12 +63,15 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MEDIUM_STORAGE = "STORAGE"
+LOCALITY_LOCAL = "LOCAL"
 LOCALITY_REMOTE = "REMOTE"
 LOCALITY_VALUES = ("LOCAL", "REMOTE")  # vLLM's `Locality`
-# vLLM keys a chunk's residency on (medium, ownership): one ownership per copy, under the tier's type name.
-OWNERSHIP_NVME = "KVStoreTier/nvme"
-OWNERSHIP_OBJECT = "KVStoreTier/object"
-OWNERSHIP = OWNERSHIP_OBJECT  # what GC removes: bucket copies
+# The tier's residency carries no ownership: routers drop events that do (Dynamo 1.6, any string).
+OWNERSHIP: str | None = None
+# Earlier releases gave each copy a residency of its own (`KVStoreTier/nvme`, `KVStoreTier/object`); both
+# names remain for callers and mean the one residency now.
+OWNERSHIP_NVME = OWNERSHIP
+OWNERSHIP_OBJECT = OWNERSHIP
 _INT_HASHES_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
 _HASH_MASK = (1 << 64) - 1
 _MAX_HASHES_PER_BATCH = 10_000  # GC deletes in batches of 1000; this only bounds a caller's huge list
@@ -116,8 +124,8 @@ class KVEventPublisher:
         *,
         topic: str = "",
         medium: str = MEDIUM_STORAGE,
-        locality: str = LOCALITY_REMOTE,
-        ownership: str = OWNERSHIP,
+        locality: str = LOCALITY_LOCAL,
+        ownership: str | None = OWNERSHIP,
         data_parallel_rank: int = 0,
         hwm: int = 100_000,
         linger_s: float = 2.0,
@@ -128,6 +136,8 @@ class KVEventPublisher:
             raise ConfigError(f"events_endpoint {endpoint!r}: expected tcp://, ipc:// or inproc://")
         self.endpoint = endpoint
         self._topic = topic.encode()
+        if locality not in LOCALITY_VALUES:
+            raise ConfigError(f"KV events locality must be one of {LOCALITY_VALUES}, got {locality!r}")
         self._medium = medium
         self._locality = locality
         self._ownership = ownership

@@ -275,11 +275,9 @@ def test_tiny_budget_and_kv_events(
         )
 
         def published() -> bool:
-            stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "STORAGE"]
-            removed = [e for e in events if isinstance(e, BlockRemoved) and e.medium == "STORAGE"]
-            return {e.locality for e in stored} >= {"LOCAL", "REMOTE"} and bool(removed)
+            return any(isinstance(e, BlockStored) and e.medium == "STORAGE" for e in events)
 
-        wait_for(published, timeout=30, what="the tier's BlockStored and BlockRemoved events")
+        wait_for(published, timeout=30, what="the tier's BlockStored events")
     finally:
         stop.set()
         listener.join(5)
@@ -291,6 +289,8 @@ def test_tiny_budget_and_kv_events(
     assert run.metric("vllm:kvstore_nvme_used_bytes") <= budget
     storage_stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "STORAGE"]
     storage_removed = [e for e in events if isinstance(e, BlockRemoved) and e.medium == "STORAGE"]
-    assert {e.locality for e in storage_stored} >= {"LOCAL", "REMOTE"}, events[:5]
-    assert storage_removed and all(e.locality == "LOCAL" for e in storage_removed)
+    # One residency per chunk (its NVMe copy, then the bucket's), LOCAL and without ownership, which routers
+    # drop; evictions of uploaded chunks leave it (the bucket still holds them).
+    assert {(e.locality, e.ownership) for e in storage_stored} == {("LOCAL", None)}, events[:5]
+    assert all((e.locality, e.ownership) == ("LOCAL", None) for e in storage_removed)
     assert s3_server.secret_key not in run.log_tail  # secrets never reach the logs

@@ -1,4 +1,5 @@
-"""KV events: what `KVEventPublisher` sends is what vLLM's own decoder reads, with our tier's values."""
+"""KV events: what `KVEventPublisher` sends is what vLLM's own decoder reads, with our tier's values.
+(`tests/connector/test_router_events.py` runs them past a real router.)"""
 
 from __future__ import annotations
 
@@ -43,11 +44,8 @@ def test_vllm_decodes_block_removed_batches(kv_subscriber: Any) -> None:
         assert by_group[0].block_hashes == expected
         assert by_group[1].block_hashes == [maybe_convert_block_hash(BlockHash(block_hash(3)))]
         event = by_group[0]
-        assert (event.medium, event.locality, event.ownership) == (
-            kv_events.MEDIUM_STORAGE,
-            "REMOTE",
-            "KVStoreTier/object",  # the bucket copy's residency: GC never ends the NVMe copy's
-        )
+        # The tier's one residency: LOCAL like the tier, no ownership (routers drop events that carry one).
+        assert (event.medium, event.locality, event.ownership) == (kv_events.MEDIUM_STORAGE, "LOCAL", None)
         _, seq, second = kv_subscriber.next()
         assert seq == 1 and second.events[0].block_hashes == [
             maybe_convert_block_hash(BlockHash(block_hash(4)))
@@ -59,14 +57,14 @@ def test_medium_locality_and_ownership_match_our_tier() -> None:
     from vllm.v1.kv_offload.base import Locality
 
     from kvstore import events
+    from kvstore.connector import tier_events
     from kvstore.connector.tier import KVStoreTier
-    from kvstore.connector.tier_events import OWNERSHIP_OBJECT
 
-    # The tier reports bucket copies as REMOTE storage (by default) owned by `KVStoreTier/object`.
+    # The tier reports a chunk as STORAGE, LOCAL by default, with no ownership: GC's removals end that.
     assert _MEDIUM_TO_EVENT_STR[KVStoreTier.medium] == events.MEDIUM_STORAGE
-    assert Locality.REMOTE.value == events.LOCALITY_REMOTE
+    assert Locality.LOCAL.value == events.LOCALITY_LOCAL and Locality.REMOTE.value == events.LOCALITY_REMOTE
     assert tuple(m.value for m in Locality) == events.LOCALITY_VALUES
-    assert events.OWNERSHIP == OWNERSHIP_OBJECT and OWNERSHIP_OBJECT.startswith(KVStoreTier.__name__ + "/")
+    assert events.OWNERSHIP is None and tier_events.OWNERSHIP is None
 
 
 def test_raw_hashes_when_vllm_sends_bytes(kv_subscriber: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,3 +87,5 @@ def test_bind_endpoint_and_configuration(connect_kv_subscriber: Any) -> None:
         KVEventPublisher("http://127.0.0.1:5557")
     with pytest.raises(ConfigError, match="events_endpoint"):
         KVEventPublisher("tcp://127.0.0.1:notaport")
+    with pytest.raises(ConfigError, match="locality"):
+        KVEventPublisher("tcp://127.0.0.1:*", locality="remote")
