@@ -140,6 +140,26 @@ def event_hash(chunk_key: str) -> int | bytes:
     return block_hash_for_event(split_offload_key(chunk_key_to_offload_key(chunk_key))[0])
 
 
+class Guarded:
+    """`between` for `run_engine`, never raising (the engine would wait for it forever): the first error is
+    kept, and `check` raises it once the engine has finished."""
+
+    def __init__(self, between: Callable[[int], None]) -> None:
+        self._between = between
+        self._error: Exception | None = None
+
+    def __call__(self, i: int) -> None:
+        if self._error is None:
+            try:
+                self._between(i)
+            except Exception as exc:
+                self._error = exc
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+
 def chunk_counts(keys: list[str], prompt_hashes: dict[str, set[int | bytes]]) -> dict[str, int]:
     """How many of each prompt's chunks are among `keys` (chunk keys)."""
     hashes = {event_hash(k) for k in keys}
@@ -167,7 +187,7 @@ def story(tiny_model: Path, s3_server: Any, tmp_path_factory: pytest.TempPathFac
         config["kv_connector_extra_config"]["self_describing_kv_events"] = True
 
         def engine(prompts: list[list[int]], between: Callable[[int], None]) -> EngineRun:
-            return run_engine(
+            run = run_engine(
                 tiny_model,
                 prompts,
                 kv_transfer_config=config,
@@ -185,8 +205,10 @@ def story(tiny_model: Path, s3_server: Any, tmp_path_factory: pytest.TempPathFac
                 max_model_len=4096,
                 kv_cache_bytes=10 * 2**20,  # 40 blocks
                 settle_s=2.0,
-                between=between,
+                between=(guarded := Guarded(between)),
             )
+            guarded.check()
+            return run
 
         def credit(prompt: list[int]) -> Callable[[], Credit]:
             return lambda: router.credit(instance, prompt, model=model)
