@@ -21,10 +21,10 @@ marked missing by the engine, so the scheduler does not ask for it again and aga
 object hits to NVMe, eviction, access records and pin sync are the node agent's (`kvstore.agent`), in a
 process of its own at idle priority, which the tier starts when the node has none (option `agent`).
 
-KV events give each copy its own residency, keyed like vLLM's event tracker on (medium, ownership): the NVMe
-copy as ownership `KVStoreTier/nvme` with the configured `locality` (default LOCAL), the bucket copy as
-`KVStoreTier/object` with `object_locality` (default REMOTE), so an NVMe eviction never makes a router forget
-a block that is still in the bucket.
+KV events report one residency per chunk, "this instance's tier holds it" (its NVMe copy or the bucket's),
+with the tier's `locality` and no ownership, which is what routers index (see `tier_events`). After the
+engine (re)started, nothing the engine stores announces a chunk it serves from this tier, so the tier
+announces the chunks it served once their request has finished.
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvstore.config import load_settings
+from kvstore.config import DataPathSettings, RoutingSettings, fields_of, load_settings
 from kvstore.connector.engine_keys import engine_scheme, publish_namespace
 from kvstore.connector.jobs import JobThreads
-from kvstore.connector.tier_events import parse_locality, to_vllm_events
+from kvstore.connector.tier_events import announce_served, parse_locality, to_vllm_events
 from kvstore.connector.tier_metrics import BackgroundStats, TierStats, metric_definitions
 from kvstore.engine import Presence, TieredStore
 from kvstore.errors import ConfigError
@@ -76,30 +76,9 @@ log = logging.getLogger(__name__)
 # Python's default GIL switch interval is 5 ms; while a request waits on the tier, this (see __init__).
 _FAST_SWITCH_S = 0.00002
 
-# Options a `secondary_tiers` entry may carry, mapped to kvstore settings names.
-_SETTINGS_OPTIONS = {
-    "store_url",
-    "s3_endpoint",
-    "cache_dir",
-    "cache_bytes",
-    "codec",
-    "upload_workers",
-    "io_workers",
-    "disk_workers",
-    "direct_io",
-    "load_timeout_s",
-    "probe_hit_ttl_s",
-    "probe_miss_ttl_s",
-    "outage_cooldown_s",
-    "prefetch_bytes",
-    "pin_sync_s",
-    "region",
-    "remote_timeout_s",
-    "remote_cooldown_s",
-    "remote_workers",
-    "remote_copy_queue_bytes",
-    "object_locality",
-}
+# Options a `secondary_tiers` entry may carry: the settings of the data path and routing groups (never the
+# credentials or the admin service's), and the tier's own.
+_SETTINGS_OPTIONS = fields_of(DataPathSettings, RoutingSettings)
 _TIER_OPTIONS = {
     "enable_kv_events",
     "locality",
@@ -193,6 +172,11 @@ class KVStoreTier(SecondaryTierManager):
         if self._workers_per_kind < 1:
             raise ConfigError("KVStoreTier: job_workers must be >= 1")
         self._loads_in_flight: set[int] = set()  # job ids; changed only inside vLLM's (serialised) calls
+        # With KV events: the chunks each request got from this tier (job id -> request, keys while a load
+        # runs; request -> keys until it finishes), then announced again (see the module docstring).
+        self._loading: dict[int, tuple[str, Collection[OffloadKey]]] = {}
+        self._served: dict[str, list[OffloadKey]] = {}
+        self._announce: list[OffloadKey] = []
         self._switched = False
         self._normal_switch = sys.getswitchinterval()
 
@@ -238,6 +222,12 @@ class KVStoreTier(SecondaryTierManager):
             bool(options.get("enable_kv_events")) and offloading_spec.kv_events_config.enable_kv_cache_events
         )
         self._events_enabled = events_on
+        if events_on and not offloading_spec.kv_events_config.self_describing_kv_events:
+            log.warning(
+                "KVStoreTier: enable_kv_events without kv_connector_extra_config"
+                "['self_describing_kv_events']: vLLM sends the tier's BlockStored without tokens (block_size"
+                " 0), which routers such as Dynamo's KV indexer reject; set it to true"
+            )
         self._scheme: KeyScheme | None = None  # the engine's, once vLLM has set NONE_HASH
         self._stopping = threading.Event()
         self._store_url = self._node.store.url
@@ -307,6 +297,14 @@ class KVStoreTier(SecondaryTierManager):
         return bool(self._unprobed) or self._engine.probes_in_flight > 0 or self._jobs.in_flight > 0
 
     @override
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        # By now vLLM's events tracker has the payloads of what the request loaded (it recorded them when the
+        # request's lookups hit the CPU tier), so a BlockStored for them carries their tokens.
+        served = self._served.pop(req_context.req_id, None)
+        if served:
+            self._announce.extend(served)
+
+    @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._engine.touch([self.namespace.chunk_key(k) for k in keys])
 
@@ -317,6 +315,8 @@ class KVStoreTier(SecondaryTierManager):
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
         self._loads_in_flight.add(job_metadata.job_id)
+        if self._events_enabled:
+            self._loading[job_metadata.job_id] = (job_metadata.req_context.req_id, job_metadata.keys)
         self._update_switch_interval()
         self._jobs.submit("load", job_metadata)
 
@@ -325,16 +325,29 @@ class KVStoreTier(SecondaryTierManager):
         done: list[JobResult] = self._jobs.take_finished()
         if self._loads_in_flight and done:
             self._loads_in_flight.difference_update(result.job_id for result in done)
+        if self._loading and done:
+            for result in done:
+                loading = self._loading.pop(result.job_id, None)
+                if loading is None:
+                    continue
+                req_id, keys = loading
+                served = keys if result.success else (result.successful_keys or ())
+                if served:
+                    self._served.setdefault(req_id, []).extend(served)
         self._update_switch_interval()
         return done
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
         events = self._engine.take_events()
-        if not self._events_enabled or not events:
+        if not self._events_enabled:
             return ()
         prefix = f"{self.namespace.id}_r{self.namespace.rank}/"
         translated: list[OffloadingEvent] = to_vllm_events(events, prefix=prefix, localities=self._localities)
+        again = announce_served(self._announce, locality=self._localities["nvme"])
+        self._announce = []
+        if again is not None:
+            translated.append(again)
         return translated
 
     @override

@@ -66,9 +66,8 @@ def ends_residency(event: ChunkEvent) -> bool:
     """Whether a removal leaves this node without any copy of the chunk (see the module docstring)."""
     if event.tier == "object":
         return True
-    # `last_copy` is the engine's to set: an eviction or discard of a chunk whose upload never finished.
-    # Until it does, an NVMe removal is taken to leave the bucket copy.
-    return bool(getattr(event, "last_copy", False))
+    # An eviction or discard of a chunk whose upload never finished (the change log says so).
+    return event.last_copy
 
 
 def to_vllm_events(

@@ -5,8 +5,11 @@ deduplicated, as one compact object per batch::
 
     _meta/access/<YYYYMMDDHH>/<node>-<pid>-<seq>.json.zst   {"v": 1, "ts": <unix s>, "keys": [...]}
 
-GC merges these records to decide what is idle. Losing a batch only makes a chunk look older than it is,
-so flushing is best effort: failures are counted and the batch is dropped rather than kept without bound.
+GC merges these records to decide what is idle. A record's `ts` is when its chunks were last used (the
+newest use of any of them: never older than the truth), not when it was written: the node agent writes
+them every minute and when it stops, long after the uses it records. Losing a batch only makes a chunk look
+older than it is, so flushing is best effort: failures are counted and the batch is dropped rather than
+kept without bound.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from kvstore.stores import ObjectStore
 log = logging.getLogger(__name__)
 
 RECORD_VERSION = 1
+_WINDOW_S = 10.0  # uses this close together share a record (and its timestamp, their newest)
 
 
 def encode_batch(keys: Iterable[str], ts: float) -> bytes:
@@ -60,7 +64,8 @@ def read_access_records(
 
 
 class AccessRecorder:
-    """Buffers accessed keys and flushes them every `interval_s` or `max_keys`, on a background thread."""
+    """Buffers accessed keys with the time of their last use and flushes them every `interval_s` or
+    `max_keys`, on a background thread: one record per `_WINDOW_S` of use times, stamped with its newest."""
 
     def __init__(
         self, store: ObjectStore, *, interval_s: float = 60.0, max_keys: int = 50_000, node: str | None = None
@@ -69,7 +74,7 @@ class AccessRecorder:
         self._interval = interval_s
         self._max_keys = max_keys
         self._node = node or socket.gethostname()
-        self._keys: set[str] = set()
+        self._keys: dict[str, float] = {}  # key -> when it was last used
         self._seq = 0
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -79,26 +84,36 @@ class AccessRecorder:
         self._thread = threading.Thread(target=self._run, name="kvstore-access", daemon=True)
         self._thread.start()
 
-    def record(self, keys: Iterable[str]) -> None:
+    def record(self, keys: Iterable[str], at: float | None = None) -> None:
+        """Chunks used at `at` (unix time; now by default)."""
+        when = time.time() if at is None else at
         with self._lock:
-            self._keys.update(keys)
+            self._keys.update(dict.fromkeys(keys, when))
             full = len(self._keys) >= self._max_keys
         if full:
             self._wake.set()
 
     def flush(self) -> bool:
-        """Write what is buffered now; False if the store refused it (the batch is dropped)."""
+        """Write what is buffered now; False if the store refused some of it (those batches are dropped)."""
         with self._lock:
-            keys, self._keys = self._keys, set()
+            keys, self._keys = self._keys, {}
+        windows: dict[int, list[str]] = {}
+        for key, used in keys.items():
+            windows.setdefault(int(used // _WINDOW_S), []).append(key)
+        ok = True
+        for window in sorted(windows):
+            batch = windows[window]
+            ok = self._write(batch, max(keys[k] for k in batch)) and ok
+        return ok
+
+    def _write(self, keys: list[str], ts: float) -> bool:
+        with self._lock:
             self._seq += 1
             seq = self._seq
-        if not keys:
-            return True
-        now = time.time()
-        hour = time.strftime("%Y%m%d%H", time.gmtime(now))
+        hour = time.strftime("%Y%m%d%H", time.gmtime(ts))
         name = f"{ACCESS_PREFIX}{hour}/{self._node}-{os.getpid()}-{seq:06d}.json.zst"
         try:
-            self._store.put(name, encode_batch(keys, now))
+            self._store.put(name, encode_batch(keys, ts))
         except StoreError as exc:
             self.failed_batches += 1
             log.warning("dropping access record batch of %d keys: %s", len(keys), exc)

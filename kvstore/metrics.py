@@ -218,7 +218,13 @@ class EngineMetrics:
             for tier in TIERS
         }
         dropped = sum(value("kvstore:stores_dropped_total", reason=r) for r in DROP_REASONS)
-        return MetricsSnapshot(per_tier=per_tier, stores_dropped=dropped)
+        lost = sum(value("kvstore:uploads_lost_total", reason=r) for r in LOST_UPLOAD_REASONS)
+        return MetricsSnapshot(
+            per_tier=per_tier,
+            stores_dropped=dropped,
+            uploads_lost=lost,
+            evictions=value("kvstore:nvme_evictions_total"),
+        )
 
 
 class ThreadCounter:
@@ -303,3 +309,5 @@ class TierFigures:
 class MetricsSnapshot:
     per_tier: dict[str, TierFigures]
     stores_dropped: float
+    uploads_lost: float = 0.0
+    evictions: float = 0.0

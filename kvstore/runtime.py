@@ -151,6 +151,8 @@ def open_node(
     `check_store=False` tolerates an unreachable store (the vLLM tier must start and serve from NVMe or
     recompute while S3 is down); bad credentials or a missing bucket still fail."""
     metrics = metrics or EngineMetrics.for_registry()
+    if agent == "spawn" and settings.local_store_url.startswith("memory://"):
+        agent = "host"  # a memory:// store lives in this process: so must the agent that uploads to it
     store, server = open_object_store(settings, metrics=metrics)
     try:
         try:

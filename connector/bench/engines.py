@@ -96,7 +96,6 @@ def bench_ttft(
             "module_path": "kvstore.connector.tier",
             "store_url": f"{store_url.rstrip('/')}/ttft",
             "cache_dir": str(root / "nvme-a"),
-            "access_records": False,
         }
         if endpoint:
             ours["s3_endpoint"] = endpoint
@@ -157,7 +156,6 @@ def bench_scheduler(
             "store_url": f"{store_url.rstrip('/')}/scheduler-{time.time_ns()}",
             "cache_dir": tmp,
             "cache_bytes": 1 << 34,
-            "access_records": False,
         }
         if endpoint:
             options["s3_endpoint"] = endpoint

@@ -261,7 +261,6 @@ def _method_config(
         "type": "KVStoreTier",
         "module_path": "kvstore.connector.tier",
         "cache_dir": str(root / f"nvme-{method.replace('+', '-')}"),
-        "access_records": False,
     }
     if method == "cpu+ours-file":
         return sizing.tiering_config({**ours, "store_url": (root / "file-store").as_uri()}), {}

@@ -29,6 +29,8 @@ import numpy as np
 from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob
 
+from kvstore.agent.uploads import wait_uploaded
+from kvstore.cache import NVMeCache
 from kvstore.connector.bench.tiers import Primary, close_tier, dd_bandwidth, fs_tier, keys_for, our_tier
 
 _STEP_S = 0.01
@@ -170,14 +172,13 @@ def _one_run(
         if side == "ours":
             at_end = _objects_in(root) / max(offered, 1)
             engine = tier.engine  # type: ignore[attr-defined]
-            engine.flush(_DRAIN_S)
+            wait_uploaded(engine.cache, _DRAIN_S)  # the node agent's uploads
             after_drain = _objects_in(root) / max(offered, 1)
-            lost_total = engine.metrics.registry.get_sample_value(
-                "kvstore:uploads_lost_total", {"reason": "evicted"}
-            )
-            lost = int(lost_total or 0)
     finally:
-        close_tier(tier)
+        close_tier(tier)  # the agent takes the engine's last figures before it stops
+    if side == "ours":
+        with NVMeCache(root / "nvme", _CACHE_BYTES) as cache:  # node-wide: the engine's and the agent's
+            lost = cache.counters().get("uploads_lost", 0)
     ordered = sorted(steps)
     return OfferedResult(
         tier=side,
@@ -251,8 +252,7 @@ def _memory_child(
             peak_rss = max(peak_rss, _rss_kib() - rss0)
             time.sleep(0.001)
         if side == "ours":
-            engine = tier.engine  # type: ignore[attr-defined]
-            engine.flush(300)
+            wait_uploaded(tier.engine.cache, 300)  # type: ignore[attr-defined]
         peak_cache = max(peak_cache, _meminfo_kib("Cached") - cached0)
     finally:
         close_tier(tier)

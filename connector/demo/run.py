@@ -277,10 +277,9 @@ def _ttft(server: VLLMServer, prompt: str, cache_salt: str | None = None) -> tup
 
 
 def _wait_for_uploads(node: Any, timeout_s: float = 120.0) -> None:
-    """Until the node's upload journal is empty (the engines on this node share it through the index)."""
-    deadline = time.monotonic() + timeout_s
-    while node.engine.backlog_chunks() and time.monotonic() < deadline:
-        time.sleep(0.2)
+    """Until the node's upload journal is empty (the node agent, hosted by the admin service here, uploads
+    what every engine on the node stored)."""
+    node.flush(timeout_s)
 
 
 def _tier_counts(before: dict[str, float], after: dict[str, float]) -> dict[str, TierCounts]:

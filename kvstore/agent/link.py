@@ -4,8 +4,9 @@ Engines and the agent share the LMDB index and the upload journal; the bytes of 
 socket. What does is small and lossy by design: keys whose object-store hits the agent should admit to NVMe,
 keys that were used (LRU order, access records for GC), and the engine's figures for the node's counters.
 An engine never waits for the agent: `AgentLink` buffers hints in memory (appends only, on vLLM's threads)
-and `send` ships them as a few datagrams, without blocking, from the engine's housekeeping thread. With the
-agent down, hints are dropped and counted; nothing a request needs depends on them.
+and `send` ships them as a few datagrams, without blocking, from the engine's housekeeping thread. While the
+agent is not there (still starting, or down) hints wait in bounded buffers; past the bound the oldest are
+dropped and counted. Nothing a request needs depends on them.
 
 Datagram format: one msgpack `Hints` per datagram, at most `_MAX_DATAGRAM` bytes. The socket lives at
 ``<cache_dir>/agent.sock``; a cache directory whose path is too long for a socket address is reached through
@@ -18,8 +19,9 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import msgspec
 
@@ -73,24 +75,32 @@ class AgentLink:
         self._stored: deque[str] = deque(maxlen=_MAX_BUFFERED)
         self._counters: dict[str, int] = {}
         self.sent = 0
-        self.dropped = 0  # hints (keys or counter batches) the agent did not take
+        self.dropped = 0  # keys that did not fit the buffers while the agent was away
 
-    def fetched(self, keys: Iterable[str]) -> None:
-        self._fetched.extend(keys)
+    def fetched(self, keys: Sequence[str]) -> None:
+        self._buffer(self._fetched, keys)
 
-    def touched(self, keys: Iterable[str]) -> None:
-        self._touched.extend(keys)
+    def touched(self, keys: Sequence[str]) -> None:
+        self._buffer(self._touched, keys)
 
-    def stored(self, keys: Iterable[str]) -> None:
-        self._stored.extend(keys)
+    def stored(self, keys: Sequence[str]) -> None:
+        self._buffer(self._stored, keys)
+
+    def _buffer(self, buffered: deque[str], keys: Sequence[str]) -> None:
+        self.dropped += max(0, len(buffered) + len(keys) - _MAX_BUFFERED)  # the oldest go
+        buffered.extend(keys)
 
     def counters(self, deltas: Mapping[str, int]) -> None:
         for name, delta in deltas.items():
             if delta:
                 self._counters[name] = self._counters.get(name, 0) + delta
 
+    @property
+    def pending(self) -> bool:
+        return bool(self._fetched or self._touched or self._stored or self._counters)
+
     def send(self) -> bool:
-        """Ship what is buffered; False when the agent is not there to take it (the hints are dropped)."""
+        """Ship what is buffered; False when the agent is not there to take it (the rest stays buffered)."""
         counters, self._counters = self._counters, {}
         lists = (_drain(self._fetched), _drain(self._touched), _drain(self._stored))
         messages = list(_messages(os.getpid(), *lists, counters))
@@ -98,14 +108,27 @@ class AgentLink:
             try:
                 self._address.send(self._sock, _encoder.encode(hints))
             except OSError as exc:  # no agent (ENOENT, ECONNREFUSED) or its queue is full (EAGAIN)
-                lost = messages[i:]
-                self.dropped += sum(
-                    len(m.fetched) + len(m.touched) + len(m.stored) + bool(m.counters) for m in lost
-                )
-                log.debug("node agent not reachable (%s): %d hints dropped", exc, self.dropped)
+                log.debug("node agent not reachable (%s): hints wait", exc)
+                for unsent in messages[i:]:
+                    self._keep(unsent)
                 return False
             self.sent += 1
         return True
+
+    def send_within(self, seconds: float) -> bool:
+        """`send`, retried until it works or `seconds` pass (an engine shutting down, its agent starting)."""
+        deadline = time.monotonic() + seconds
+        while not self.send():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def _keep(self, hints: Hints) -> None:
+        self._buffer(self._fetched, hints.fetched)
+        self._buffer(self._touched, hints.touched)
+        self._buffer(self._stored, hints.stored)
+        self.counters(hints.counters)
 
     def close(self) -> None:
         self._sock.close()

@@ -187,13 +187,15 @@ class NodeAgent:
                             self.cache.directory,
                             now - idle_since,
                         )
-                        return
+                        break
             if now >= evict_at:
                 work.evictor.check()
                 evict_at = now + _EVICT_EVERY_S
             if now >= trim_at:
                 self.cache.trim_changes(_CHANGES_KEPT)
                 trim_at = now + _TRIM_EVERY_S
+        for hints in work.inbox.receive(timeout=0.05):  # stopping: what engines said last still counts
+            self._take(hints, work)
 
     def _take(self, hints: Hints, work: _Work) -> None:
         self.hints_received += 1

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from pydantic import SecretStr
+from pydantic import BaseModel, SecretStr
 
 from kvstore.config import Settings
 
@@ -277,7 +277,7 @@ def _plain(value: Any) -> Any:
         return str(value)
     if isinstance(value, list):
         return [_plain(v) for v in value]
-    if hasattr(value, "model_fields"):  # a store spec
+    if isinstance(value, BaseModel):  # a store spec
         return {
             k: _plain(getattr(value, k)) for k in type(value).model_fields if getattr(value, k) is not None
         }
@@ -325,6 +325,11 @@ class AgentWatch:
         self._checked_at = float("-inf")
         self._started_at = float("-inf")
         self.up: bool | None = None  # unknown until the first check
+
+    @property
+    def starting(self) -> bool:
+        """This engine started an agent moments ago that may not listen yet."""
+        return time.monotonic() - self._started_at < self._restart_every
 
     def check(self) -> bool:
         now = time.monotonic()

@@ -20,7 +20,8 @@ Sub-databases (keys are the chunk key's UTF-8 bytes unless stated):
              crashed uploader's claims expire. A failed PUT moves it to the retry time.
 ``counters`` name -> ``<Q``: node-wide figures (lookups, hits, bytes per tier...) that every process on the
              node adds its own to, so a tool sees the node's traffic, not its own (``add_counters``).
-``changes``  8-byte big-endian sequence number -> kind byte + key: the node's change log. Every transaction
+``changes``  8-byte big-endian sequence number -> kind byte (high bit set: the chunk had not reached the
+             object store) + key: the node's change log. Every transaction
              that evicts, removes or finishes uploading a chunk appends to it, so each engine on the node
              learns what the others (and the node agent) did to the chunks it announced, and turns that into
              KV events (``changes_since``). The agent trims it (``trim_changes``).
@@ -57,6 +58,7 @@ _COUNT_KEY = b"entries"
 _UPLOAD_BYTES_KEY = b"upload_bytes"
 _UPLOAD_COUNT_KEY = b"upload_entries"
 _CHANGES_NEXT_KEY = b"changes_next"
+_NOT_UPLOADED = 0x80  # in a change's kind byte: the chunk had not reached the object store
 
 
 def _lru_key(ts: int, key: bytes) -> bytes:
@@ -186,7 +188,8 @@ class CacheIndex:
             admissions = [
                 self._admit_one(txn, s, encode_key(key), entry, budget, now) for key, entry in items
             ]
-            self._log(txn, s, ChangeKind.EVICTED, [vk.encode() for a in admissions for vk, _ in a.victims])
+            victims = [(vk.encode(), ve) for a in admissions for vk, ve in a.victims]
+            self._log(txn, s, ChangeKind.EVICTED, [(vk, not ve.pending_upload) for vk, ve in victims])
         return admissions
 
     def _admit_one(
@@ -241,7 +244,7 @@ class CacheIndex:
             uploading = self._drop_victims(txn, s, victims, now)
             freed = sum(ve.size for _, ve in victims)
             self._set_counters(txn, s, max(0, used - freed), max(0, count - len(victims)))
-            self._log(txn, s, ChangeKind.EVICTED, [vk for vk, _ in victims])
+            self._log(txn, s, ChangeKind.EVICTED, [(vk, not ve.pending_upload) for vk, ve in victims])
         return Eviction(tuple((vk.decode(), ve) for vk, ve in victims), frozenset(uploading))
 
     def _unqueue(self, txn: lmdb.Transaction[bytes], s: Shared, k: bytes, entry: Entry) -> int:
@@ -344,7 +347,7 @@ class CacheIndex:
         self._unqueue(txn, s, k, entry)
         used, count = self._counters(txn, s)
         self._set_counters(txn, s, max(0, used - entry.size), max(0, count - 1))
-        self._log(txn, s, ChangeKind.REMOVED, [k])
+        self._log(txn, s, ChangeKind.REMOVED, [(k, not entry.pending_upload)])
         return entry
 
     # -- node-wide counters ------------------------------------------------------------------------------
@@ -420,7 +423,7 @@ class CacheIndex:
                     self._unqueue(txn, s, k, entry)
                     txn.put(k, replace(entry, queued_ns=0).pack(), db=s.entries)
                     uploaded.append(k)
-            self._log(txn, s, ChangeKind.UPLOADED, uploaded)
+            self._log(txn, s, ChangeKind.UPLOADED, [(k, True) for k in uploaded])
             for key in retry:
                 k = key.encode()
                 raw = txn.get(k, db=s.entries)
@@ -434,13 +437,16 @@ class CacheIndex:
 
     # -- the change log -----------------------------------------------------------------------------------
 
-    def _log(self, txn: lmdb.Transaction[bytes], s: Shared, kind: ChangeKind, keys: Sequence[bytes]) -> None:
-        if not keys:
+    def _log(
+        self, txn: lmdb.Transaction[bytes], s: Shared, kind: ChangeKind, items: Sequence[tuple[bytes, bool]]
+    ) -> None:
+        """Append (key, whether the bucket had it) changes: a kind byte (high bit: not uploaded), the key."""
+        if not items:
             return
         raw = txn.get(_CHANGES_NEXT_KEY, db=s.meta)
         seq = 1 if raw is None else _U64.unpack(raw)[0]
-        tag = bytes((kind,))
-        for k in keys:
+        for k, uploaded in items:
+            tag = bytes((kind | (0 if uploaded else _NOT_UPLOADED),))
             txn.put(_TS.pack(seq), tag + k, db=s.changes)
             seq += 1
         txn.put(_CHANGES_NEXT_KEY, _U64.pack(seq), db=s.meta)
@@ -464,7 +470,8 @@ class CacheIndex:
             if not cursor.set_range(_TS.pack(max(0, seq))):
                 return out
             for record, value in cursor:
-                out.append(Change(_TS.unpack(record)[0], ChangeKind(value[0]), bytes(value[1:]).decode()))
+                kind, key = ChangeKind(value[0] & ~_NOT_UPLOADED), bytes(value[1:]).decode()
+                out.append(Change(_TS.unpack(record)[0], kind, key, uploaded=not value[0] & _NOT_UPLOADED))
                 if len(out) >= limit:
                     break
         return out

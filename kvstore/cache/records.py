@@ -100,6 +100,7 @@ class Change:
     seq: int
     kind: ChangeKind
     key: str
+    uploaded: bool = True  # False: an evicted or removed chunk whose only copy this was
 
 
 def encode_key(key: str) -> bytes:

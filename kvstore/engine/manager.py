@@ -55,6 +55,7 @@ __all__ = ["ChunkEvent", "ShutdownReport", "StoreOutcome", "TieredStore"]
 log = logging.getLogger(__name__)
 
 _CHANGES_PER_READ = 4096
+_LAST_HINTS_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -267,6 +268,9 @@ class TieredStore:
         self.threads.join(10.0)
         self._counters.publish()
         self.housekeeping()
+        if self._link.pending and self._agent is not None and (self._agent.up or self._agent.starting):
+            # Its last hints (object hits to admit, chunks used) go to an agent that is up or starting.
+            self._link.send_within(_LAST_HINTS_S)
         self._link.close()
         unregister_engine(self._marker)
         try:

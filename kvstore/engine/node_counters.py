@@ -58,4 +58,6 @@ class NodeCounters:
             for field in FIELDS:
                 out[counter_name(tier, field)] = int(getattr(figures, field))
         out["stores_dropped"] = int(snapshot.stores_dropped)
+        out["uploads_lost"] = int(snapshot.uploads_lost)
+        out["nvme_evictions"] = int(snapshot.evictions)
         return out

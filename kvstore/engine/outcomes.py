@@ -46,6 +46,7 @@ class ChunkEvent:
     key: str
     tier: str  # "nvme" | "object"
     removed: bool
+    last_copy: bool = False  # a removal that leaves no copy anywhere (its upload never finished)
 
 
 class Outcomes:
@@ -176,4 +177,4 @@ class Outcomes:
                 self._events.append(ChunkEvent(change.key, "object", removed=False))
             else:
                 self._answers.forget(change.key)
-                self._events.append(ChunkEvent(change.key, "nvme", removed=True))
+                self._events.append(ChunkEvent(change.key, "nvme", True, last_copy=not change.uploaded))

@@ -370,11 +370,6 @@ def test_a_restarted_engine_is_credited_for_what_it_serves(story: Story) -> None
     assert story.restart_held == {"B": HELD, "C": HELD}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="waits on connector/tier.py: KVStoreTier must announce the chunks it served once their request "
-    "finished (tier_events.announce_served); nothing else announces them to a router after a restart",
-)
 @pytest.mark.parametrize("name", ["B", "C"], ids=["served-from-nvme", "served-from-the-bucket"])
 def test_a_restarted_engine_keeps_the_credit_for_what_it_served(story: Story, name: str) -> None:
     assert story.restart_evicted[name] == ON_DISK

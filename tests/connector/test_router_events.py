@@ -226,13 +226,6 @@ def chunk_events(prompt: Prompt, tier: str, *, removed: bool) -> list[ChunkEvent
     return [ChunkEvent(key, tier, removed) for key in prompt.chunk_keys]
 
 
-@dataclass(frozen=True)
-class _LastCopyGone(ChunkEvent):
-    """An NVMe eviction of a chunk that never reached the bucket, as the engine is to mark it."""
-
-    last_copy: bool = True
-
-
 FULL = Credit(0, 0, BLOCKS * BS)  # held by a storage tier only
 NONE = Credit()
 
@@ -277,7 +270,7 @@ def test_an_nvme_eviction_before_the_upload_ends_the_credit(instance: Instance) 
         instance.send(list(tracker_for(p).take_events(translated)))
     instance.wait_credit(prompt, FULL, "the tier's copies credited")
     # The engine marks the eviction of a chunk whose upload never finished: no copy is left anywhere.
-    last = [_LastCopyGone(key, "nvme", True) for key in prompt.chunk_keys]
+    last = [ChunkEvent(key, "nvme", True, last_copy=True) for key in prompt.chunk_keys]
     translated = to_vllm_events(last, prefix=PREFIX, localities=LOCALITIES)
     assert [(e.removed, e.ownership, e.locality) for e in translated] == [(True, None, Locality.LOCAL)]
     # The payloads are gone with the CPU copy by then: vLLM names each chunk by its offload key's hash.

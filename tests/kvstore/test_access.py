@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from kvstore.access import AccessRecorder, read_access_records
 from kvstore.layout import ACCESS_PREFIX
 from kvstore.stores import ObjectStore
@@ -28,3 +30,18 @@ def test_unreachable_store_drops_the_batch(private_s3_server: object, private_s3
     assert not recorder.flush()
     assert recorder.failed_batches == 1
     recorder.close()
+
+
+def test_a_record_says_when_its_chunks_were_used_not_when_it_was_written(s3_store: ObjectStore) -> None:
+    """The node agent writes records a minute or more after the uses: GC must see the uses' times, or a
+    chunk used once long ago looks fresh for as long as the agent held its record."""
+    recorder = AccessRecorder(s3_store, interval_s=3600, node="node-a")
+    long_ago = time.time() - 7200
+    recorder.record(["old/1.bin", "old/2.bin"], at=long_ago)
+    recorder.record(["new/1.bin"])
+    recorder.record(["old/2.bin"])  # used again now: its newest use counts
+    assert recorder.flush()
+    recorder.close()
+    seen = {k: ts for _, ts, batch in read_access_records(s3_store) for k in batch}
+    assert seen["old/1.bin"] == long_ago
+    assert time.time() - seen["old/2.bin"] < 60 and time.time() - seen["new/1.bin"] < 60

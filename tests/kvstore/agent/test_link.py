@@ -7,6 +7,9 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+from kvstore.agent import link as link_module
 from kvstore.agent.link import AgentLink, HintInbox, Hints, SocketAddress, decode
 from kvstore.agent.node_agent import NodeAgent
 from kvstore.cache import NVMeCache
@@ -61,14 +64,42 @@ def test_a_cache_directory_too_long_for_a_socket_address_still_works(tmp_path: P
         inbox.close()
 
 
-def test_without_an_agent_hints_are_dropped_and_counted(tmp_path: Path) -> None:
+def test_hints_wait_for_an_agent_that_is_not_there_yet(tmp_path: Path) -> None:
     link = AgentLink(tmp_path)
     link.touched(["a", "b"])
     link.fetched(["c"])
+    link.counters({"nvme.hits": 2})
     assert not link.send()
-    assert link.dropped == 3
-    assert link.send(), "nothing left to send"
-    link.close()
+    assert link.pending and link.dropped == 0
+    inbox = HintInbox(tmp_path)  # the agent comes up
+    try:
+        assert link.send()
+        got = inbox.receive(timeout=2)
+        assert [k for h in got for k in h.touched] == ["a", "b"]
+        assert [k for h in got for k in h.fetched] == ["c"]
+        assert [h.counters for h in got if h.counters] == [{"nvme.hits": 2}]
+    finally:
+        inbox.close()
+        link.close()
+
+
+def test_past_their_bound_the_oldest_hints_are_dropped_and_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(link_module, "_MAX_BUFFERED", 3)
+    link = AgentLink(tmp_path)
+    link.touched(["a", "b"])
+    assert not link.send()
+    link.touched(["c", "d"])
+    assert not link.send()
+    assert link.dropped == 1
+    inbox = HintInbox(tmp_path)
+    try:
+        assert link.send()
+        assert [k for h in inbox.receive(timeout=2) for k in h.touched] == ["b", "c", "d"]
+    finally:
+        inbox.close()
+        link.close()
 
 
 def test_the_agent_ignores_what_is_not_a_hint(

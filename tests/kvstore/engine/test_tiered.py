@@ -193,16 +193,23 @@ def test_a_download_that_ends_after_the_deadline_never_touches_the_buffer(
     assert all(bytes(row) == b"\xee" * CHUNK for row in rows), "a late download wrote into a reused row"
 
 
-def test_object_hits_are_handed_to_the_agent_and_dropped_without_one(
-    s3_store: ObjectStore, cache: NVMeCache, metrics: EngineMetrics, make_engine: MakeEngine
+def test_object_hits_wait_for_an_agent_and_reach_nvme_through_it(
+    s3_store: ObjectStore,
+    cache: NVMeCache,
+    metrics: EngineMetrics,
+    make_engine: MakeEngine,
+    start_agent: StartAgent,
 ) -> None:
-    names = keys(3, "no-agent")
+    names = keys(3, "late-agent")
     fill(s3_store, names)
     engine = make_engine(s3_store, cache, metrics)
-    assert load(engine, names) == [payload(i) for i in range(3)]
-    engine.housekeeping()  # no agent listens: the hints are dropped, counted, and the load was served
-    assert sample(metrics, "kvstore:agent_hints_dropped_total") >= 3
+    assert load(engine, names) == [payload(i) for i in range(3)]  # served with no agent on the node
+    engine.housekeeping()  # no agent listens yet: the hints wait in the engine
     assert cache.contains_many(names) == [False] * 3
+    start_agent(cache, s3_store)
+    engine.housekeeping()
+    wait_for(lambda: all(cache.contains_many(names)), what="the late agent to admit the hits")
+    assert sample(metrics, "kvstore:agent_hints_dropped_total") == 0
 
 
 def test_prefix_probe_asks_first_keys_first_and_stops_a_chain_at_its_miss(
@@ -546,3 +553,24 @@ def test_an_nvme_write_failure_is_a_write_failure(
         assert outcome.failed == 3 and outcome.kept == 0
         assert sample(metrics, "kvstore:write_failures_total", tier="nvme") == 3
         assert sample(metrics, "kvstore:stores_dropped_total", reason="write_error") == 3
+
+
+def test_an_eviction_says_whether_it_took_the_last_copy(
+    tmp_path: Path, metrics: EngineMetrics, make_engine: MakeEngine, start_agent: StartAgent
+) -> None:
+    """Routers are told a chunk is gone only with its last copy: an evicted chunk the bucket has is still
+    this tier's; one evicted before its upload is not."""
+    store = MemoryStore()
+    with NVMeCache(tmp_path / "nvme", budget_bytes=4 * (CHUNK + HEADER_BLOCK)) as cache:
+        engine = make_engine(store, cache, metrics)
+        first, second, third = keys(2, "first"), keys(2, "second"), keys(2, "third")
+        engine.store_many([(k, payload(i)) for i, k in enumerate(first)])
+        agent = start_agent(cache, store)
+        wait_for(lambda: cache.backlog().chunks == 0, what="the uploads of the first two")
+        agent.stop()
+        engine.store_many([(k, payload(10 + i)) for i, k in enumerate(second)])  # full: nothing evicted
+        engine.store_many([(k, payload(20 + i)) for i, k in enumerate(third)])  # evicts the uploaded two
+        engine.store_many([(k, payload(30 + i)) for i, k in enumerate(keys(2, "fourth"))])  # and the next
+        engine.housekeeping()
+        removed = {e.key: e.last_copy for e in engine.take_events() if e.removed}
+    assert removed == {**dict.fromkeys(first, False), **dict.fromkeys(second, True)}
