@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kvstore.admin.cli_common import EXIT_CONFIG, EXIT_UNAVAILABLE, console, say, settings_or_exit
+from kvstore.admin.cli_common import EXIT_UNAVAILABLE, console, say, settings_or_exit
 from kvstore.errors import KVStoreError
 
 __all__ = ["agent"]
@@ -38,10 +38,8 @@ def agent(
         return
     logging.getLogger("kvstore").setLevel(logging.INFO)
     try:
-        code = run_agent(settings, metrics_port=metrics_port, metrics_host=metrics_host)
+        # Another agent on this directory (one an engine started, the admin service's): wait for it to go.
+        run_agent(settings, metrics_port=metrics_port, metrics_host=metrics_host, wait_for_lock=True)
     except KVStoreError as exc:
         say("agent failed", exc)
         raise typer.Exit(EXIT_UNAVAILABLE) from None
-    if code:
-        say("another node agent already runs for", settings.cache_dir, style="yellow")
-        raise typer.Exit(EXIT_CONFIG)

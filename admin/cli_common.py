@@ -26,7 +26,7 @@ from kvstore.errors import ConfigError, KVStoreError
 from kvstore.stores import ObjectStore
 
 if TYPE_CHECKING:
-    from kvstore.runtime import Node
+    from kvstore.runtime import AgentMode, Node
 
 __all__ = [
     "EXIT_BUSY",
@@ -156,12 +156,15 @@ def store_or_exit(settings: Settings, failure: str, *, subprefix: str = "") -> I
             server.stop()
 
 
-def node_or_exit(settings: Settings, failure: str, *, check_store: bool = True) -> Node:
-    """`open_node`, with a bad configuration as exit code 2 and an unusable store or cache as 3."""
+def node_or_exit(
+    settings: Settings, failure: str, *, check_store: bool = True, agent: AgentMode = "none"
+) -> Node:
+    """`open_node` (a tool hosts no node agent unless asked: `agent`), with a bad configuration as exit code
+    2 and an unusable store or cache as 3."""
     from kvstore.runtime import open_node
 
     try:
-        return open_node(settings, check_store=check_store)
+        return open_node(settings, check_store=check_store, agent=agent)
     except ConfigError as exc:
         say(failure, exc)
         raise typer.Exit(EXIT_CONFIG) from None

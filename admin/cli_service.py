@@ -30,8 +30,15 @@ def serve(
             help="Serve /v1 without a token on a non-loopback address: anyone who reaches it can run GC",
         ),
     ] = False,
+    agent: Annotated[
+        bool,
+        typer.Option(
+            help="Run the node agent in this process when none runs yet (--no-agent: `kvstore agent` runs it)"
+        ),
+    ] = True,
 ) -> None:
-    """Run the admin service (health, metrics). Starts a local S3 server if none is configured."""
+    """Run the admin service (health, metrics) and, unless one already runs, the node agent. Starts a local
+    S3 server if none is configured."""
     import uvicorn
 
     from kvstore.admin.app import create_app
@@ -51,7 +58,7 @@ def serve(
             f"the /v1 API on {settings.admin_host!r} accepts requests from anyone (--insecure-no-auth)",
             style="yellow",
         )
-    node = node_or_exit(settings, "cannot start")
+    node = node_or_exit(settings, "cannot start", agent="host" if agent else "none")
     try:
         if node.embedded is not None:
             console.print(

@@ -33,6 +33,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstore.agent.supervisor import agent_status, stop_agent
+from kvstore.agent.uploads import wait_uploaded
+from kvstore.cache import NVMeCache
 from kvstore.connector.bench.target import StoreTarget
 from kvstore.connector.configs import cpu_tiering_config
 from kvstore.connector.harness.multiturn import TurnRecord, Workload, replay
@@ -56,6 +59,7 @@ METHODS = ("none", "cpu", "cpu+fs", "cpu+ours", "cpu+ours-file")
 _SOURCES = ("device", "host", "disk")
 _STORAGE_METHODS = ("cpu+fs", "cpu+ours", "cpu+ours-file")
 _OURS = ("cpu+ours", "cpu+ours-file")
+_DRAIN_S = 900.0
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,11 @@ class Point:
     # CPU seconds spent during the point: "process/thread" of the server group (thread numbers folded), and
     # "s3-server" for a local S3 server. Where the machine's cores went, e.g. uploads vs forward passes.
     cpu_s: dict[str, float] = field(default_factory=dict)
+    # Ours: seconds from the point's last answer until the node agent had uploaded everything the point
+    # stored (it works at idle priority, so mostly after the engine is done), and the agent's CPU seconds
+    # in that time (what it spent during the point is in `cpu_s`, "agent").
+    journal_drain_s: float | None = None
+    drain_agent_cpu_s: float | None = None
 
 
 @dataclass
@@ -215,12 +224,15 @@ def run_multiturn(
                     if on_point_start is not None:
                         on_point_start(method, n, n * workload.turns)
                     s3_pid = store.server_pid if store is not None and method == "cpu+ours" else None
-                    report.points.append(_run_point(server, method, point_load, on_turn, s3_pid))
+                    nvme = _cache_dir(root, method) if method in _OURS else None
+                    report.points.append(_run_point(server, method, point_load, on_turn, s3_pid, nvme))
                     p = report.points[-1]
                     progress(
                         f"{method}, {n} conversations: {p.prompt_tokens_per_s:,.0f} prompt tokens/s, "
                         f"TTFT {p.ttft_mean_s:.3f} s mean"
                     )
+            if method in _OURS:
+                stop_agent(_cache_dir(root, method))  # the node agent the tier started outlives the server
         if report.points:  # the measured footprint replaces the estimate
             _set_footprint(report, max(p.last_turn_tokens for p in report.points), sizing)
         report.elapsed_s = time.perf_counter() - began
@@ -260,7 +272,7 @@ def _method_config(
     ours: dict[str, Any] = {
         "type": "KVStoreTier",
         "module_path": "kvstore.connector.tier",
-        "cache_dir": str(root / f"nvme-{method.replace('+', '-')}"),
+        "cache_dir": str(_cache_dir(root, method)),
     }
     if method == "cpu+ours-file":
         return sizing.tiering_config({**ours, "store_url": (root / "file-store").as_uri()}), {}
@@ -271,17 +283,30 @@ def _method_config(
     return sizing.tiering_config(ours), dict(store.env)
 
 
+def _cache_dir(root: Path, method: str) -> Path:
+    return root / f"nvme-{method.replace('+', '-')}"
+
+
 def _run_point(
     server: VLLMServer,
     method: str,
     workload: Workload,
     on_turn: Callable[[TurnRecord], None] | None,
     s3_pid: int | None,
+    cache_dir: Path | None,
 ) -> Point:
     before = server.metrics()
-    cpu_before = _cpu_times(server.process.pid, s3_pid)
+    agent = agent_status(cache_dir).pid if cache_dir is not None else None
+    cpu_before = _cpu_times(server.process.pid, s3_pid, agent)
     records = asyncio.run(replay(server.base_url, server.model, workload, on_turn))
-    cpu_after = _cpu_times(server.process.pid, s3_pid)
+    cpu_after = _cpu_times(server.process.pid, s3_pid, agent)
+    drain_s = drain_cpu = None
+    if cache_dir is not None:
+        drained = time.perf_counter()
+        with NVMeCache(cache_dir, 1 << 40) as cache:
+            wait_uploaded(cache, _DRAIN_S)
+        drain_s = round(time.perf_counter() - drained, 2)
+        drain_cpu = round(_cpu_times(-1, None, agent).get("agent", 0.0) - cpu_after.get("agent", 0.0), 2)
     time.sleep(1.5)  # the engine publishes its counters at the end of a step; let the last ones land
     after = server.metrics()
     cpu = {k: round(v - cpu_before.get(k, 0.0), 2) for k, v in cpu_after.items()}
@@ -323,11 +348,14 @@ def _run_point(
         ),
         kvstore_chunks=chunks if method in _OURS else {},
         cpu_s=dict(sorted(((k, v) for k, v in cpu.items() if v >= 0.05), key=lambda kv: -kv[1])),
+        journal_drain_s=drain_s,
+        drain_agent_cpu_s=drain_cpu,
     )
 
 
-def _cpu_times(pgid: int, s3_pid: int | None) -> dict[str, float]:
-    """CPU seconds so far of every thread in process group `pgid`, summed by process and thread name."""
+def _cpu_times(pgid: int, s3_pid: int | None, agent_pid: int | None = None) -> dict[str, float]:
+    """CPU seconds so far of every thread in process group `pgid`, summed by process and thread name; of
+    the S3 server and of the node agent, each as a whole."""
     tick = float(os.sysconf("SC_CLK_TCK"))
     out: dict[str, float] = {}
     for pid in (p for p in os.listdir("/proc") if p.isdigit()):
@@ -335,8 +363,8 @@ def _cpu_times(pgid: int, s3_pid: int | None) -> dict[str, float]:
         if stat is None:
             continue
         comm, fields = stat
-        if int(pid) == s3_pid:
-            out["s3-server"] = (int(fields[11]) + int(fields[12])) / tick
+        if int(pid) in (s3_pid, agent_pid):
+            out["s3-server" if int(pid) == s3_pid else "agent"] = (int(fields[11]) + int(fields[12])) / tick
             continue
         if int(fields[2]) != pgid:  # fields[2]: process group
             continue

@@ -25,6 +25,7 @@ import mmap
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -56,11 +57,17 @@ class SizeResult:
     store_gb_s: float
     fs_store_gb_s: float
     store_vs_fs: float
-    upload_gb_s: float  # NVMe journal -> object store (file://), after the store
+    upload_gb_s: float  # NVMe journal -> object store (file://) by the node agent, after the store
     cold_load_gb_s: float
     fs_cold_load_gb_s: float
     cold_load_vs_fs: float
     rounds: int
+    # CPU microseconds per chunk of the calling process (vLLM's, here: the tier's threads and the scheduler
+    # loop), median over rounds; the node agent is a process of its own and is not in ours.
+    store_cpu_us: float = 0.0
+    fs_store_cpu_us: float = 0.0
+    cold_load_cpu_us: float = 0.0
+    fs_cold_load_cpu_us: float = 0.0
 
 
 @dataclass
@@ -70,6 +77,8 @@ class ObjectPathResult:
     end_to_end_gb_s: float  # first lookup to last byte loaded, fresh node
     raw_get_gb_s: float  # raw parallel obstore GETs of the same objects
     vs_raw: float
+    cpu_us: float = 0.0  # CPU microseconds per chunk of the calling process (median over rounds)
+    raw_cpu_us: float = 0.0  # ... of the raw GET loop
 
 
 @dataclass
@@ -155,8 +164,16 @@ def close_tier(tier: SecondaryTierManager) -> None:
 # -- driving a tier the way vLLM's scheduler does ---------------------------------------------------------
 
 
-def run_jobs(tier: SecondaryTierManager, jobs: Sequence[TransferJob], *, load: bool) -> float:
-    """Submit every job, then poll once per step until all have reported; seconds, start to last."""
+@dataclass(frozen=True)
+class Timed:
+    seconds: float  # wall time
+    cpu_s: float  # CPU time of this process (every thread), over the same span
+
+
+def run_jobs(tier: SecondaryTierManager, jobs: Sequence[TransferJob], *, load: bool) -> Timed:
+    """Submit every job, then poll once per step until all have reported: wall seconds from the first submit
+    to the last report, and this process's CPU seconds over that span."""
+    cpu = time.process_time()
     start = time.perf_counter()
     for job in jobs:
         (tier.submit_load if load else tier.submit_store)(job)
@@ -171,9 +188,10 @@ def run_jobs(tier: SecondaryTierManager, jobs: Sequence[TransferJob], *, load: b
         if waiting:
             time.sleep(_STEP_S)
     elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu
     if failed:
         raise RuntimeError(f"{type(tier).__name__}: {len(failed)} of {len(jobs)} jobs failed")
-    return elapsed
+    return Timed(elapsed, cpu)
 
 
 def make_jobs(
@@ -230,8 +248,8 @@ def _store_and_load(
     per_job: int,
     root: Path,
     after_store: Callable[[SecondaryTierManager], None] = lambda _tier: None,
-) -> tuple[float, float]:
-    """(store seconds, cold load seconds) of one round on a fresh tier; the loaded bytes are checked."""
+) -> tuple[Timed, Timed]:
+    """(store, cold load) of one round on a fresh tier; the loaded bytes are checked."""
     n = len(keys)
     tier = make()
     try:
@@ -261,10 +279,10 @@ def _wait_uploads(seconds: list[float], tier: SecondaryTierManager) -> None:
 def bench_size(chunk_bytes: int, chunks: int, *, rounds: int, per_job: int, workdir: Path) -> SizeResult:
     primary = Primary(chunk_bytes, 2 * chunks)
     primary.fill(chunks, seed=chunk_bytes)
-    ours_store: list[float] = []
-    ours_load: list[float] = []
-    fs_store: list[float] = []
-    fs_load: list[float] = []
+    ours_store: list[Timed] = []
+    ours_load: list[Timed] = []
+    fs_store: list[Timed] = []
+    fs_load: list[Timed] = []
     uploads: list[float] = []
     try:
         for r in range(rounds):
@@ -290,24 +308,35 @@ def bench_size(chunk_bytes: int, chunks: int, *, rounds: int, per_job: int, work
     finally:
         primary.close()
     total = chunk_bytes * chunks / 1e9
+
+    def best(runs: list[Timed]) -> float:
+        return min(t.seconds for t in runs)
+
+    def cpu_us(runs: list[Timed]) -> float:
+        return statistics.median(t.cpu_s for t in runs) / chunks * 1e6
+
     return SizeResult(
         chunk_bytes=chunk_bytes,
         chunks=chunks,
-        store_gb_s=total / min(ours_store),
-        fs_store_gb_s=total / min(fs_store),
-        store_vs_fs=min(fs_store) / min(ours_store),
+        store_gb_s=total / best(ours_store),
+        fs_store_gb_s=total / best(fs_store),
+        store_vs_fs=best(fs_store) / best(ours_store),
         upload_gb_s=total / max(min(uploads), 1e-9),
-        cold_load_gb_s=total / min(ours_load),
-        fs_cold_load_gb_s=total / min(fs_load),
-        cold_load_vs_fs=min(fs_load) / min(ours_load),
+        cold_load_gb_s=total / best(ours_load),
+        fs_cold_load_gb_s=total / best(fs_load),
+        cold_load_vs_fs=best(fs_load) / best(ours_load),
         rounds=rounds,
+        store_cpu_us=cpu_us(ours_store),
+        fs_store_cpu_us=cpu_us(fs_store),
+        cold_load_cpu_us=cpu_us(ours_load),
+        fs_cold_load_cpu_us=cpu_us(fs_load),
     )
 
 
 # -- the object path of a new node -------------------------------------------------------------------------
 
 
-def _scheduler_loads(tier: SecondaryTierManager, keys: Sequence[OffloadKey], first_row: int) -> float:
+def _scheduler_loads(tier: SecondaryTierManager, keys: Sequence[OffloadKey], first_row: int) -> Timed:
     """From the first lookup to the last load reported, as vLLM's scheduler drives a tier: every step it
     looks up what is not loaded yet, submits one load job for what became a HIT, and polls."""
     req = ReqContext(req_id="bench-object")
@@ -317,6 +346,7 @@ def _scheduler_loads(tier: SecondaryTierManager, keys: Sequence[OffloadKey], fir
     todo = list(range(len(keys)))
     in_flight: set[int] = set()
     job_id = 200_000
+    cpu = time.process_time()
     start = time.perf_counter()
     while todo or in_flight:
         for result in tier.get_finished_jobs():
@@ -341,7 +371,7 @@ def _scheduler_loads(tier: SecondaryTierManager, keys: Sequence[OffloadKey], fir
         todo = waiting
         tier.on_schedule_end(None)  # type: ignore[arg-type]  # the standalone scheduler has no context
         time.sleep(_STEP_S)
-    return time.perf_counter() - start
+    return Timed(time.perf_counter() - start, time.process_time() - cpu)
 
 
 def bench_object_path(
@@ -383,14 +413,16 @@ def bench_object_path(
         client_options={"allow_http": True},
     )
 
-    def raw_get() -> float:
+    def raw_get() -> Timed:
+        cpu = time.process_time()
         start = time.perf_counter()
         with ThreadPoolExecutor(workers) as pool:
             sizes = list(pool.map(lambda name: len(obstore.get(raw, prefix + name).bytes()), names))
         assert all(sizes)
-        return time.perf_counter() - start
+        return Timed(time.perf_counter() - start, time.process_time() - cpu)
 
-    ours, baseline = [], []
+    ours: list[Timed] = []
+    baseline: list[Timed] = []
     try:
         for _ in range(rounds):
             baseline.append(raw_get())
@@ -408,12 +440,15 @@ def bench_object_path(
     finally:
         primary.close()
     total = chunk_bytes * chunks / 1e9
+    best_ours, best_raw = min(t.seconds for t in ours), min(t.seconds for t in baseline)
     return ObjectPathResult(
         chunk_bytes=chunk_bytes,
         chunks=chunks,
-        end_to_end_gb_s=total / min(ours),
-        raw_get_gb_s=total / min(baseline),
-        vs_raw=min(baseline) / min(ours),
+        end_to_end_gb_s=total / best_ours,
+        raw_get_gb_s=total / best_raw,
+        vs_raw=best_raw / best_ours,
+        cpu_us=statistics.median(t.cpu_s for t in ours) / chunks * 1e6,
+        raw_cpu_us=statistics.median(t.cpu_s for t in baseline) / chunks * 1e6,
     )
 
 

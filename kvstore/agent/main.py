@@ -26,10 +26,12 @@ def run_agent(
     exit_when_idle_s: float | None = None,
     metrics_port: int | None = None,
     metrics_host: str = "127.0.0.1",
+    wait_for_lock: bool = False,
 ) -> int:
     """Run the agent of ``settings.cache_dir`` until SIGTERM/SIGINT (or, with ``exit_when_idle_s``, until no
-    engine has used the cache that long and nothing waits for upload). Exit status: 0, or 1 when another
-    agent already runs for that directory (nothing to do)."""
+    engine has used the cache that long and nothing waits for upload). When another agent already runs for
+    that directory: with ``wait_for_lock`` (an operator's agent), wait to take over when it goes; without
+    (one an engine started), exit at once with status 1."""
     lower_priority(whole_process=True)  # the threads libraries started, and every thread started from now on
     stop = threading.Event()
 
@@ -56,11 +58,17 @@ def run_agent(
         exit_when_idle_s=exit_when_idle_s,
     )
     try:
-        try:
-            agent.start()
-        except AgentAlreadyRunning as exc:
-            log.info("%s: nothing to do", exc)
-            return 1
+        while True:
+            try:
+                agent.start(wait_s=5.0)
+                break
+            except AgentAlreadyRunning as exc:
+                if not wait_for_lock:
+                    log.info("%s: nothing to do", exc)
+                    return 1
+                log.info("%s: waiting to take over when it stops", exc)
+                if stop.wait(5.0):
+                    return 0
         if metrics_port:
             start_http_server(metrics_port, addr=metrics_host, registry=REGISTRY)
             log.info("agent metrics on http://%s:%d/metrics", metrics_host, metrics_port)

@@ -155,11 +155,14 @@ class TieredStore:
         return out
 
     def lookup_cached(self, key: str) -> Presence:
-        """The scheduler's lookup: memory only, never blocks, changes nothing but the lookup counters.
-        PENDING: ask `needs_probe`, then probe."""
+        """The scheduler's lookup: the answer cache, else one read of the index (a memory-mapped LMDB
+        lookup, about a microsecond): a chunk on this node is a hit at once, not a RETRY and a probe one step
+        later. PENDING: not on this node and not known elsewhere; ask `needs_probe`, then probe."""
         found = self._outcomes.answer(key)
         if found is None:
-            return Presence.PENDING
+            if not self._outcomes.found_on_nvme(key):
+                return Presence.PENDING
+            found = Presence.LOCAL
         answer = Presence.MISS if found is Presence.REMOTE and not self.store_available else found
         self._count(answer)
         return answer

@@ -574,3 +574,15 @@ def test_an_eviction_says_whether_it_took_the_last_copy(
         engine.housekeeping()
         removed = {e.key: e.last_copy for e in engine.take_events() if e.removed}
     assert removed == {**dict.fromkeys(first, False), **dict.fromkeys(second, True)}
+
+
+def test_a_chunk_on_this_node_is_a_hit_at_the_first_lookup(
+    cache: NVMeCache, metrics: EngineMetrics, make_engine: MakeEngine
+) -> None:
+    """One index read, not a RETRY and a probe a scheduler step later: the scheduler asks again about every
+    RETRY key on every step, so each one costs a step of latency and a storm of lookups."""
+    names = keys(3, "first-lookup")
+    make_engine(None, cache, metrics).store_many([(k, payload(i)) for i, k in enumerate(names[:2])])
+    other = make_engine(MemoryStore(), cache, EngineMetrics(CollectorRegistry()))  # knows nothing yet
+    assert [other.lookup_cached(k) for k in names] == [Presence.LOCAL, Presence.LOCAL, Presence.PENDING]
+    assert other.probes_in_flight == 0
