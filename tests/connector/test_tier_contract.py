@@ -25,6 +25,7 @@ from vllm.v1.kv_offload.base import Locality, LookupResult, Medium
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 
 from kvstore.agent.uploads import wait_uploaded
+from kvstore.chunk import HEADER_BLOCK
 from kvstore.connector.harness.standalone import StandaloneTier, standalone_tier
 from kvstore.connector.tier import KVStoreTier, UnknownChunk, prefix_chains
 from kvstore.connector.tier_metrics import (
@@ -42,6 +43,7 @@ from kvstore.engine import Presence
 from kvstore.errors import ConfigError, StoreError, StoreUnavailable
 from kvstore.pins import create_pin, delete_pin
 from kvstore.stores import ObjectStore
+from tests.cache_helpers import locate
 from tests.connector.tier_jobs import CHUNK, REQ, data, job, okey, wait_jobs
 from tests.helpers import free_port, sample, wait_for
 
@@ -325,20 +327,31 @@ def test_every_vllm_kvstore_metric_reports_what_happened(
     try:
         tier = built.tier
         built.fill(0, data(4))
-        tier.submit_store(job(1, [okey(4)], [0], promotion=False))
+        built.fill(2, data(5))
+        tier.submit_store(job(1, [okey(4), okey(5)], [0, 2], promotion=False))
         wait_jobs(tier, {1})
+        damaged = locate(tier.engine.cache, tier.namespace.chunk_key(okey(5)))
+        assert damaged is not None
+        with open(damaged.path, "r+b") as f:  # a flipped byte on NVMe: a checksum failure, and a miss
+            f.seek(HEADER_BLOCK + 7)
+            f.write(b"\xaa")
         assert tier.lookup(okey(4), REQ) is LookupResult.HIT
-        tier.submit_load(job(2, [okey(4)], [1], promotion=True))
-        assert wait_jobs(tier, {2})[2].success
+        tier.submit_load(job(2, [okey(4), okey(5)], [1, 3], promotion=True))
+        result = wait_jobs(tier, {2})[2]
+        assert list(result.successful_keys or []) == [okey(4)] and result.transfer_bytes == CHUNK
         nvme = ("nvme",)
         seen = stats_until(
-            tier, lambda d: d.get(READ_BYTES, {}).get(nvme) and d.get(NVME_USED) and d.get(NVME_BUDGET)
+            tier,
+            lambda d: d.get(READ_BYTES, {}).get(nvme)
+            and d.get(NVME_USED)
+            and d.get(NVME_BUDGET)
+            and d.get(CHECKSUM_FAILURES),
         )
         assert seen[QUERIES][nvme] >= 1 and seen[HITS][nvme] >= 1
-        assert seen[READ_BYTES][nvme] == CHUNK and seen[WRITE_BYTES][nvme] >= CHUNK
+        assert seen[READ_BYTES][nvme] == CHUNK and seen[WRITE_BYTES][nvme] >= 2 * CHUNK
         assert seen[READ_SECONDS][nvme] > 0
         assert seen[NVME_BUDGET][()] == 1 << 30 and seen[NVME_USED][()] >= CHUNK
-        assert CHECKSUM_FAILURES not in seen or not any(seen[CHECKSUM_FAILURES].values())
+        assert seen[CHECKSUM_FAILURES] == {nvme: 1}
     finally:
         built.close()
 
