@@ -153,7 +153,7 @@ class KVStoreTier(SecondaryTierManager):
         self.locality = parse_locality("locality", options.get("locality"), Locality.LOCAL)
         self._localities = {
             "nvme": self.locality,
-            "object": parse_locality("object_locality", settings.object_locality, Locality.REMOTE),
+            "object": parse_locality("object_locality", settings.object_locality, Locality.LOCAL),
         }
         # While a request waits on us (a load, or a probe after a RETRY), vLLM's engine loop spins on the GIL,
         # and each of our threads coming back from a read or an index lookup waits up to Python's switch

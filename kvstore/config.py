@@ -305,9 +305,9 @@ class StoreCredentials(_Group):
 class RoutingSettings(_Group):
     """What routers are told: the locality of a chunk's bucket copy in KV events (the tier's and GC's)."""
 
-    # REMOTE, reachable by every instance; LOCAL for routers that drop REMOTE events (see the README's router
-    # settings).
-    object_locality: str = "REMOTE"
+    # The locality GC's BlockRemoved events give a chunk: LOCAL, like the residency the tier reports (its NVMe
+    # copy or the bucket's, docs/routers.md); routers such as Dynamo's KV indexer drop REMOTE events.
+    object_locality: str = "LOCAL"
 
     @field_validator("object_locality")
     @classmethod

@@ -15,8 +15,8 @@ unchanged. The format mirrors `vllm/distributed/kv_events.py` (this module impor
 Values match the one residency our vLLM tier (`connector/tier_events.py`) reports for a chunk, "this
 instance's tier holds it" (its NVMe copy or the bucket's): medium `STORAGE` and no `ownership`; Dynamo's KV
 indexer drops every event that carries one, and every event whose locality is REMOTE. The locality defaults to
-LOCAL, the tier's own; the admin service passes `object_locality`, which must then be LOCAL for Dynamo to
-apply GC's removals. A router applies them to an instance when it reads this publisher as one more feed of
+LOCAL, the tier's own; the admin service passes `object_locality` (LOCAL by default; REMOTE would make Dynamo
+drop GC's removals). A router applies them to an instance when it reads this publisher as one more feed of
 that instance (Dynamo: `POST /register` with the instance's id and a spare `dp_rank`; the batch's
 `data_parallel_rank`, 0, names the engine's rank the removals apply to). A block hash is the one in the
 chunk's key (`<hash hex>.bin`, FileMapper naming); like vLLM, it is sent as an int (the low 64 bits,

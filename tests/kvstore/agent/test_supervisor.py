@@ -229,3 +229,82 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z"
     except OSError:
         return True
+
+
+_ENGINE_PROCESS = """
+import json, sys, time
+from prometheus_client import CollectorRegistry
+from kvstore.config import load_settings
+from kvstore.metrics import EngineMetrics
+from kvstore.runtime import open_node
+settings = load_settings(**json.loads(sys.argv[1]))
+node = open_node(settings, metrics=EngineMetrics(CollectorRegistry()), agent="spawn")
+tag = sys.argv[2]
+node.engine.store_many([(f"ns_abc_r0/{tag}/{i:04d}.bin", bytes([i]) * 65536) for i in range(5)])
+print("stored", flush=True)
+sys.stdin.readline()  # the test says when to go
+node.close()
+"""
+
+
+def test_two_engine_processes_on_one_node_share_one_agent(settings: Settings) -> None:
+    import subprocess
+    import sys
+
+    from kvstore.agent.supervisor import settings_payload
+
+    payload = settings_payload(settings).decode()
+    engines = [
+        subprocess.Popen(
+            [sys.executable, "-c", _ENGINE_PROCESS, payload, tag],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for tag in ("first", "second")
+    ]
+    try:
+        for engine in engines:
+            assert engine.stdout is not None and engine.stdout.readline().strip() == "stored"
+        pid = wait_for_agent(settings)
+        assert pid not in [e.pid for e in engines], "a process of its own"
+        assert sorted(live_engines(settings.cache_dir)) == sorted(e.pid for e in engines)
+        node = open_node(settings, metrics=EngineMetrics(CollectorRegistry()), agent="none")
+        try:
+            wait_for(
+                lambda: node.cache.backlog().chunks == 0, what="one agent to upload both engines' chunks"
+            )
+            names = [f"ns_abc_r0/{tag}/{i:04d}.bin" for tag in ("first", "second") for i in range(5)]
+            assert all(node.store.exists_many(names))
+        finally:
+            node.close()
+        assert agent_status(settings.cache_dir).pid == pid, "still the one agent"
+        agents = [
+            p for p in os.listdir("/proc") if p.isdigit() and _is_agent_of(int(p), str(settings.cache_dir))
+        ]
+        assert agents == [str(pid)], f"one agent process for the directory, found {agents}"
+    finally:
+        for engine in engines:
+            if engine.poll() is None:
+                assert engine.stdin is not None
+                engine.stdin.write("\n")
+                engine.stdin.flush()
+            engine.wait(30)
+
+
+def _is_agent_of(pid: int, cache_dir: str) -> bool:
+    """Whether `pid` runs `python -m kvstore.agent` holding `cache_dir`'s lock."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    if b"kvstore.agent" not in cmdline:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == f"{cache_dir}/agent.lock":
+                return True
+        except OSError:
+            continue
+    return False
