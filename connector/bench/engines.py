@@ -26,6 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.agent.supervisor import stop_agent
+from kvstore.agent.uploads import wait_uploaded
+from kvstore.cache import NVMeCache
 from kvstore.connector.configs import cpu_tiering_config
 from kvstore.connector.harness.engine_runner import run_engine
 from kvstore.connector.harness.tiny_model import build_tiny_model, sample_text
@@ -109,6 +112,8 @@ def bench_ttft(
         progress("KVStoreTier: fill, then a fresh engine on the same NVMe cache")
         _fill(model, texts, cpu_tiering_config(ours), credentials)
         nvme_ttft, nvme_cached = _ttft(model, texts, cpu_tiering_config(ours), credentials)
+        with NVMeCache(root / "nvme-a", 1 << 40) as cache:  # the node agent the tier started uploads them
+            wait_uploaded(cache, 600)
         progress("KVStoreTier: a fresh node (empty NVMe cache, same bucket)")
         fresh = {**ours, "cache_dir": str(root / "nvme-b")}
         object_ttft, object_cached = _ttft(model, texts, cpu_tiering_config(fresh), credentials)
@@ -124,6 +129,8 @@ def bench_ttft(
             report.rows.append(TTFTRow(method, ttft, cached, recompute / ttft, ttft / fs_ttft))
         return report
     finally:
+        for node in ("nvme-a", "nvme-b"):  # the node agents the tiers started outlive their engines
+            stop_agent(root / node)
         shutil.rmtree(root, ignore_errors=True)
 
 
