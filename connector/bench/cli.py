@@ -111,9 +111,21 @@ def bench_tiers(
             f"{r.upload_gb_s:.2f}",
         )
     console.print(table)
+    cpu = Table(title="CPU of the calling process (vLLM's) per chunk, microseconds, median of rounds")
+    for col in ("chunk", "store", "fs store", "cold load", "fs cold load"):
+        cpu.add_column(col, justify="right")
+    for r in report.sizes:
+        cpu.add_row(
+            f"{r.chunk_bytes // 1024} KiB",
+            f"{r.store_cpu_us:.0f}",
+            f"{r.fs_store_cpu_us:.0f}",
+            f"{r.cold_load_cpu_us:.0f}",
+            f"{r.fs_cold_load_cpu_us:.0f}",
+        )
+    console.print(cpu)
     if report.object_path:
         objects = Table(title="object path of a new node: first lookup to last byte loaded (GB/s)")
-        for col in ("chunk", "n", "ours, end to end", "raw parallel GET", "ours/raw"):
+        for col in ("chunk", "n", "ours, end to end", "raw parallel GET", "ours/raw", "CPU us/chunk", "raw"):
             objects.add_column(col, justify="right")
         for o in report.object_path:
             objects.add_row(
@@ -122,6 +134,8 @@ def bench_tiers(
                 f"{o.end_to_end_gb_s:.2f}",
                 f"{o.raw_get_gb_s:.2f}",
                 f"{o.vs_raw:.2f}x",
+                f"{o.cpu_us:.0f}",
+                f"{o.raw_cpu_us:.0f}",
             )
         console.print(objects)
     codec_table = Table(title="codecs on 2 MiB bf16-like chunks")
@@ -377,6 +391,23 @@ def bench_multiturn(
             "-" if p.storage_hit_rate is None else f"{p.storage_hit_rate:.0%}",
         )
     console.print(table)
+    cpu = Table(
+        title="CPU seconds during each point, by process (and the node agent's journal drain after it)"
+    )
+    for col in ("conv", "method", "vLLM", "agent", "S3 server", "drain s", "agent CPU in drain"):
+        cpu.add_column(col, justify="right")
+    for p in sorted(report.points, key=lambda p: (p.conversations, method_list.index(p.method))):
+        engine = sum(v for k, v in p.cpu_s.items() if k not in ("agent", "s3-server"))
+        cpu.add_row(
+            str(p.conversations),
+            p.method,
+            f"{engine:.1f}",
+            f"{p.cpu_s.get('agent', 0.0):.1f}" if p.method in ("cpu+ours", "cpu+ours-file") else "-",
+            f"{p.cpu_s.get('s3-server', 0.0):.1f}" if p.method == "cpu+ours" else "-",
+            "-" if p.journal_drain_s is None else f"{p.journal_drain_s:.1f}",
+            "-" if p.drain_agent_cpu_s is None else f"{p.drain_agent_cpu_s:.1f}",
+        )
+    console.print(cpu)
     console.print(
         f"A conversation's KV between turns: {footprint:,} tokens. The engine KV cache holds "
         f"{report.engine_conversations:.1f} conversations, the CPU tier {report.cpu_conversations:.1f}; "
