@@ -23,7 +23,8 @@ What the indexer does, as far as these tests rely on it:
 - ``POST /unregister`` forgets the instance and everything it was credited with.
 
 The process runs in its own process group and is stopped with it (SIGTERM, then SIGKILL); its log is kept
-for failure messages (`log_tail`).
+for failure messages (`log_tail`) in a temporary directory removed with it, unless `log_path` puts it
+elsewhere.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -186,6 +188,7 @@ def dynamo_indexer(*, log_path: Path | None = None, startup_timeout_s: float = 6
         yield indexer
     finally:
         _stop(proc)
+        shutil.rmtree(work, ignore_errors=True)  # with the log, unless the caller put it elsewhere
 
 
 def _wait_up(indexer: DynamoIndexer, deadline: float) -> None:
