@@ -443,6 +443,9 @@ def bench_fleet(
     cpu_mib: Annotated[int, typer.Option(help="Each node's CPU tier (cpu_bytes_to_use), MiB")] = 64,
     nvme_gib: Annotated[float, typer.Option(help="Each node's NVMe cache budget (ours), GiB")] = 8.0,
     batched_tokens: Annotated[int, typer.Option(help="--max-num-batched-tokens")] = 2048,
+    pin_nodes: Annotated[
+        bool, typer.Option(help="Give each node's server its own half of the CPUs, as nodes have their own")
+    ] = True,
 ) -> None:
     """Two vLLM servers standing for two nodes, one bucket, conversations whose turns land on either:
     round-robin with vLLM's fs tier per node, round-robin with ours, and cache-aware routing with ours
@@ -513,6 +516,7 @@ def bench_fleet(
                     methods=method_list,
                     store=target,
                     nvme_bytes=int(nvme_gib * 2**30),
+                    pin_nodes=pin_nodes,
                     log_dir=out / "logs",
                     progress=lambda msg: console.print(f"[dim]... {msg}[/dim]"),
                     on_turn=lambda _turn: bar.advance(task),

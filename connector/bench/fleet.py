@@ -91,6 +91,8 @@ class NodeResult:
     prompt_tokens: int
     served: dict[str, float]  # prompt tokens from device, host, disk (this server's /metrics)
     chunk_hits: dict[str, float] = field(default_factory=dict)  # ours: nvme, object (vllm:kvstore_chunk_hits)
+    read_bytes: dict[str, float] = field(default_factory=dict)  # ours: nvme, object (vllm:kvstore_read_bytes)
+    read_s: dict[str, float] = field(default_factory=dict)  # ours: time its loads took, per tier
     uploaded_chunks: int = 0  # ours: chunks this node's agent uploaded (its change log)
     cross_node_chunks: int = 0  # ours: chunks it fetched from the bucket that only the other node uploaded
 
@@ -105,6 +107,7 @@ class MethodResult:
     requests_per_s: float
     ttft_mean_s: float
     ttft_p90_s: float
+    ttft_by_turn_s: list[float]  # mean TTFT of each turn index (0: the opening context, computed everywhere)
     last_turn_tokens: int  # prompt tokens of a conversation's last turn: its KV footprint between turns
     # Share of all prompt tokens: engine prefix cache, CPU tier, the node's own storage (fs directory or our
     # NVMe), the bucket, computed.
@@ -124,6 +127,7 @@ class FleetReport:
     workload: dict[str, Any]
     sizing: dict[str, Any]
     nvme_bytes: int
+    node_cpus: list[list[int]]  # the CPUs each node's server (and its node agent) ran on; [] = any
     conversation_tokens: int  # prompt tokens of a conversation's last turn (its KV footprint)
     engine_conversations: float  # how many conversations' KV one node's engine cache holds
     cpu_conversations: float  # ... and one node's CPU tier
@@ -156,6 +160,7 @@ def run_fleet(
     methods: Sequence[str] = METHODS,
     store: StoreTarget | None = None,
     nvme_bytes: int = 8 << 30,
+    pin_nodes: bool = True,
     workdir: Path | None = None,
     log_dir: Path | None = None,
     drain_timeout_s: float = 600.0,
@@ -164,7 +169,11 @@ def run_fleet(
     on_method_start: Callable[[str, int], None] | None = None,
 ) -> FleetReport:
     """Every method of `methods` in turn, on fresh servers; `on_method_start(method, requests)` runs before
-    each measured replay. Server, indexer and agent logs go to `log_dir` when given."""
+    each measured replay. Server, indexer and agent logs go to `log_dir` when given.
+
+    `pin_nodes`: each node's server gets its own share of this process's CPUs, as nodes have their own
+    (`node_cpus`); its node agent, which it starts, inherits them. Unpinned, the two engines' OpenMP teams
+    bind to the same cores (vLLM binds every engine to all of them) and spin against each other."""
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
@@ -175,6 +184,7 @@ def run_fleet(
         workload=asdict(workload),
         sizing=asdict(sizing),
         nvme_bytes=nvme_bytes,
+        node_cpus=_node_cpus() if pin_nodes else [[] for _ in range(NODES)],
         conversation_tokens=footprint,
         engine_conversations=sizing.engine_kv_bytes / sizing.kv_bytes_per_token / footprint,
         cpu_conversations=sizing.cpu_bytes / sizing.kv_bytes_per_token / footprint,
@@ -184,6 +194,7 @@ def run_fleet(
     try:
         for method in methods:
             run = _MethodRun(method, model_dir, workload, sizing, store, nvme_bytes, root / method, log_dir)
+            run.node_cpus = report.node_cpus
             progress(f"{method} ({DESCRIPTIONS[method]}): starting {NODES} vLLM servers")
             result = run.run(drain_timeout_s, progress, on_turn, on_method_start)
             report.methods.append(result)
@@ -227,6 +238,7 @@ class _MethodRun:
         self.ours = method in _OURS
         self.aware = method == "ours-aware"
         self.cache_dirs = [root / f"node{i}" / "nvme" for i in range(NODES)]
+        self.node_cpus: list[list[int]] = [[] for _ in range(NODES)]
         self.store_url = (
             f"{store.store_url.rstrip('/')}/fleet-{method}-{time.time_ns()}" if store is not None else ""
         )
@@ -281,6 +293,7 @@ class _MethodRun:
     def _spec(self, node: int, ports: tuple[int, int], logs: Path) -> ServerSpec:
         node_dir = self.root / f"node{node}"
         env: dict[str, str] = {}
+        cpus = self.node_cpus[node]
         extra = self.sizing.server_args()
         if self.ours:
             assert self.store is not None
@@ -293,7 +306,7 @@ class _MethodRun:
             }
             if self.store.endpoint:
                 tier["s3_endpoint"] = self.store.endpoint
-            env = dict(self.store.env)
+            env.update(self.store.env)
             if self.aware:
                 tier["enable_kv_events"] = True
         else:
@@ -309,12 +322,15 @@ class _MethodRun:
                 "replay_endpoint": f"tcp://*:{replay_port}",
             }
             extra = [*extra, "--kv-events-config", json.dumps(events)]
+        if cpus:  # vLLM binds its OpenMP threads itself, to every core unless told
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
         return ServerSpec(
             self.model_dir,
             kv_transfer_config=config,
             env=env,
             extra_args=extra,
             log_path=logs / f"{self.method}-node{node}.log",
+            cpus=frozenset(cpus) if cpus else None,
         )
 
     def _measure(
@@ -387,6 +403,15 @@ class _MethodRun:
                     shutil.copyfile(log, logs / f"{self.method}-node{node}-agent.log")
 
 
+def _node_cpus() -> list[list[int]]:
+    """This process's CPUs split evenly between the nodes ([] each when there are fewer CPUs than nodes)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    share = len(cpus) // NODES
+    if share == 0:
+        return [[] for _ in range(NODES)]
+    return [cpus[i * share : (i + 1) * share] for i in range(NODES)]
+
+
 def _warmup(workload: Workload, node: int) -> Workload:
     """Two short conversations per server, with seeds no measured replay uses."""
     return Workload(
@@ -432,6 +457,16 @@ def _result(
                     if ours
                     else {}
                 ),
+                read_bytes=(
+                    {tier: delta("vllm:kvstore_read_bytes_total", tier=tier) for tier in ("nvme", "object")}
+                    if ours
+                    else {}
+                ),
+                read_s=(
+                    {tier: delta("vllm:kvstore_read_seconds_total", tier=tier) for tier in ("nvme", "object")}
+                    if ours
+                    else {}
+                ),
             )
         )
     records = [t.record for t in turns]
@@ -447,6 +482,10 @@ def _result(
         requests_per_s=len(records) / wall,
         ttft_mean_s=statistics.fmean(ttfts),
         ttft_p90_s=ttfts[min(len(ttfts) - 1, math.ceil(0.9 * len(ttfts)) - 1)],
+        ttft_by_turn_s=[
+            statistics.fmean(r.ttft_s for r in records if r.turn == turn)
+            for turn in sorted({r.turn for r in records})
+        ],
         last_turn_tokens=max(r.prompt_tokens for r in records),
         token_share=_shares(nodes, ours=ours),
         nodes=nodes,
@@ -456,14 +495,18 @@ def _result(
 
 def _shares(nodes: list[NodeResult], *, ours: bool) -> dict[str, float]:
     """Where the fleet's prompt tokens came from. Our tier's storage tokens are split between NVMe and the
-    bucket in the ratio of its chunk hits there (a chunk is one block)."""
+    bucket in the ratio of the bytes it loaded from each: its chunk hits are counted where the lookup
+    found a chunk, and a chunk found in the bucket may be on NVMe by the time it loads (the node agent
+    admitted it meanwhile), which the load prefers."""
     total = max(1.0, sum(n.served["total"] for n in nodes))
     engine = sum(n.served["device"] for n in nodes)
     cpu = sum(n.served["host"] for n in nodes)
     disk = sum(n.served["disk"] for n in nodes)
-    nvme_hits = sum(n.chunk_hits.get("nvme", 0.0) for n in nodes)
-    object_hits = sum(n.chunk_hits.get("object", 0.0) for n in nodes)
-    bucket = disk * object_hits / (nvme_hits + object_hits) if ours and nvme_hits + object_hits > 0 else 0.0
+    weights = {tier: sum(n.read_bytes.get(tier, 0.0) for n in nodes) for tier in ("nvme", "object")}
+    if not any(weights.values()):
+        weights = {tier: sum(n.chunk_hits.get(tier, 0.0) for n in nodes) for tier in ("nvme", "object")}
+    loaded = weights["nvme"] + weights["object"]
+    bucket = disk * weights["object"] / loaded if ours and loaded > 0 else 0.0
     share = {
         "engine": engine / total,
         "cpu": cpu / total,

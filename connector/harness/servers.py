@@ -5,11 +5,14 @@ until this block exits: starts overlap (an engine's start waits on subprocesses 
 time), and the thread that started a server lives as long as the server does, which its parent-death signal
 needs (Linux sends it when the *thread* that forked the child ends). If any server fails to start, the others
 are stopped and the first error is raised; every server is stopped when the block exits, however it exits.
+A server can be confined to some CPUs (`ServerSpec.cpus`): its holder thread takes that affinity before it
+starts the server, whose processes inherit it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +34,9 @@ class ServerSpec:
     extra_args: Sequence[str] = ()
     log_path: Path | None = None
     startup_timeout_s: float = 300
+    # CPUs the server's processes may run on (Linux), inherited by everything it starts: a node's own cores
+    # when servers stand for nodes. None: wherever the caller may.
+    cpus: frozenset[int] | None = None
 
 
 class _Holder(threading.Thread):
@@ -45,6 +51,8 @@ class _Holder(threading.Thread):
     def run(self) -> None:
         spec = self.spec
         try:
+            if spec.cpus is not None:
+                os.sched_setaffinity(0, spec.cpus)  # this thread's, which the server inherits
             with vllm_server(
                 spec.model_dir,
                 kv_transfer_config=spec.kv_transfer_config,

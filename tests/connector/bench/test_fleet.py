@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,12 @@ def open_under(root: Path) -> list[str]:
     return found
 
 
-def test_every_method_once(tiny_model: Path, s3_server: Any, s3_store: Any, tmp_path: Path) -> None:
+def test_every_method_once(
+    tiny_model: Path, s3_server: Any, s3_store: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    temp = tmp_path / "tmp"  # the servers' and the indexer's temporary directories
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     workload = Workload(
         conversations=CONVERSATIONS,
         context_tokens=512,
@@ -89,11 +95,14 @@ def test_every_method_once(tiny_model: Path, s3_server: Any, s3_store: Any, tmp_
     assert [m.method for m in report.methods] == list(METHODS)
     assert len(turns_seen) == 3 * REQUESTS
     assert report.engine_conversations < CONVERSATIONS and report.cpu_conversations < CONVERSATIONS
+    cpus = report.node_cpus
+    assert len(cpus) == 2 and not set(cpus[0]) & set(cpus[1]), "each node has CPUs of its own"
     for m in report.methods:
         assert m.requests == REQUESTS and sum(n.requests for n in m.nodes) == REQUESTS
         assert m.prompt_tokens > REQUESTS * 512
         assert m.prompt_tokens_per_s > 0 and m.requests_per_s > 0
         assert 0 < m.ttft_mean_s <= m.ttft_p90_s < m.wall_s
+        assert len(m.ttft_by_turn_s) == TURNS and all(t > 0 for t in m.ttft_by_turn_s)
         assert set(m.token_share) == set(SHARES)
         assert abs(sum(m.token_share.values()) - 1.0) < 1e-6
         assert all(v >= 0 for v in m.token_share.values())
@@ -108,6 +117,8 @@ def test_every_method_once(tiny_model: Path, s3_server: Any, s3_store: Any, tmp_
     assert ours.token_share["bucket"] > 0
     assert ours.cross_node_chunks > 0 and all(n.cross_node_chunks > 0 for n in ours.nodes)
     assert all(n.uploaded_chunks > 0 for n in ours.nodes)
+    # It read from the bucket exactly the chunks it had not stored (256 KiB chunks of the tiny model).
+    assert sum(n.read_bytes["object"] for n in ours.nodes) >= ours.cross_node_chunks * 256 * 1024
     for m in (ours, aware):
         assert m.drain_s is not None
         assert {"node0 agent", "node1 agent"} <= set(m.cpu_s)
@@ -121,7 +132,7 @@ def test_every_method_once(tiny_model: Path, s3_server: Any, s3_store: Any, tmp_
     assert all(v is not None and v > 0 for v in ratios.values())
 
     # Everything the run started is stopped and its directories are gone; logs were kept.
-    assert not list(work.iterdir())
+    assert not list(work.iterdir()) and not list(temp.iterdir())
     assert open_under(tmp_path) == []
     assert {p.name for p in (tmp_path / "logs").iterdir()} >= {
         "fs-rr-node0.log",
