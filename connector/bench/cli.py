@@ -446,6 +446,9 @@ def bench_fleet(
     pin_nodes: Annotated[
         bool, typer.Option(help="Give each node's server its own half of the CPUs, as nodes have their own")
     ] = True,
+    tier_options: Annotated[
+        str, typer.Option(help="More options for our tier's entry, a JSON object")
+    ] = "{}",
 ) -> None:
     """Two vLLM servers standing for two nodes, one bucket, conversations whose turns land on either:
     round-robin with vLLM's fs tier per node, round-robin with ours, and cache-aware routing with ours
@@ -489,6 +492,14 @@ def bench_fleet(
     if not nvme_gib > 0 or nvme_gib == float("inf"):
         say("bad --nvme-gib", f"{nvme_gib} (must be a positive number)")
         raise typer.Exit(EXIT_CONFIG)
+    try:
+        options = json.loads(tier_options)
+    except ValueError as exc:
+        say("bad --tier-options", exc)
+        raise typer.Exit(EXIT_CONFIG) from None
+    if not isinstance(options, dict):
+        say("bad --tier-options", f"{tier_options!r} (a JSON object is needed)")
+        raise typer.Exit(EXIT_CONFIG)
     workload = Workload(conversations, context_tokens, turn_tokens, turns, output_tokens, concurrency)
     longest = context_tokens + (turns - 1) * (turn_tokens + output_tokens + 32) + output_tokens + 64
     settings = settings_or_exit()
@@ -516,6 +527,7 @@ def bench_fleet(
                     methods=method_list,
                     store=target,
                     nvme_bytes=int(nvme_gib * 2**30),
+                    tier_options=options,
                     pin_nodes=pin_nodes,
                     log_dir=out / "logs",
                     progress=lambda msg: console.print(f"[dim]... {msg}[/dim]"),
@@ -536,6 +548,7 @@ def bench_fleet(
     for col in (
         "method",
         "prompt tok/s",
+        "tok/CPU-s",
         "req/s",
         "TTFT s",
         "p90 s",
@@ -557,6 +570,7 @@ def bench_fleet(
         table.add_row(
             m.method,
             f"{m.prompt_tokens_per_s:,.0f}",
+            f"{m.prompt_tokens_per_cpu_s:,.0f}",
             f"{m.requests_per_s:.2f}",
             f"{m.ttft_mean_s:.3f}",
             f"{m.ttft_p90_s:.3f}",
@@ -568,6 +582,11 @@ def bench_fleet(
     console.print(table)
     for m in report.methods:
         console.print(f"{m.method}: {DESCRIPTIONS[m.method]}")
+    console.print(
+        "tok/CPU-s: prompt tokens per CPU second of every process of the run (vLLM's CPU engines spin "
+        "while they wait, so this is throughput per share of the machine the run got). CPU s: turns and "
+        "upload drain."
+    )
     console.print(
         f"A conversation's KV between turns: {report.conversation_tokens:,} tokens. Each node's engine KV "
         f"cache holds {report.engine_conversations:.1f} conversations, its CPU tier "

@@ -118,6 +118,9 @@ class MethodResult:
     backlog_at_end: int = 0  # chunks waiting for upload when the last turn finished
     drain_s: float | None = None  # until both upload journals were empty (None: not within the timeout)
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds per process during the turns
+    # Prompt tokens per CPU second of all of them: throughput per share of the machine the run got (vLLM's
+    # CPU engine spins while it waits, so it uses what it is given; on a shared machine, this moves less).
+    prompt_tokens_per_cpu_s: float = 0.0
     drain_cpu_s: dict[str, float] = field(default_factory=dict)  # ... and during the drain
     routing: dict[str, float] = field(default_factory=dict)
 
@@ -127,6 +130,7 @@ class FleetReport:
     workload: dict[str, Any]
     sizing: dict[str, Any]
     nvme_bytes: int
+    tier_options: dict[str, Any]  # added to our tier's entry
     node_cpus: list[list[int]]  # the CPUs each node's server (and its node agent) ran on; [] = any
     conversation_tokens: int  # prompt tokens of a conversation's last turn (its KV footprint)
     engine_conversations: float  # how many conversations' KV one node's engine cache holds
@@ -160,6 +164,7 @@ def run_fleet(
     methods: Sequence[str] = METHODS,
     store: StoreTarget | None = None,
     nvme_bytes: int = 8 << 30,
+    tier_options: dict[str, Any] | None = None,
     pin_nodes: bool = True,
     workdir: Path | None = None,
     log_dir: Path | None = None,
@@ -169,7 +174,8 @@ def run_fleet(
     on_method_start: Callable[[str, int], None] | None = None,
 ) -> FleetReport:
     """Every method of `methods` in turn, on fresh servers; `on_method_start(method, requests)` runs before
-    each measured replay. Server, indexer and agent logs go to `log_dir` when given.
+    each measured replay. Server, indexer and agent logs go to `log_dir` when given; `tier_options` are
+    added to our tier's `secondary_tiers` entry on both nodes (e.g. `gil_switch_interval_s`).
 
     `pin_nodes`: each node's server gets its own share of this process's CPUs, as nodes have their own
     (`node_cpus`); its node agent, which it starts, inherits them. Unpinned, the two engines' OpenMP teams
@@ -184,6 +190,7 @@ def run_fleet(
         workload=asdict(workload),
         sizing=asdict(sizing),
         nvme_bytes=nvme_bytes,
+        tier_options=dict(tier_options or {}),
         node_cpus=_node_cpus() if pin_nodes else [[] for _ in range(NODES)],
         conversation_tokens=footprint,
         engine_conversations=sizing.engine_kv_bytes / sizing.kv_bytes_per_token / footprint,
@@ -193,8 +200,7 @@ def run_fleet(
     root = Path(tempfile.mkdtemp(prefix="kvstore-bench-fleet-", dir=workdir))
     try:
         for method in methods:
-            run = _MethodRun(method, model_dir, workload, sizing, store, nvme_bytes, root / method, log_dir)
-            run.node_cpus = report.node_cpus
+            run = _MethodRun(method, model_dir, workload, sizing, store, report, root / method, log_dir)
             progress(f"{method} ({DESCRIPTIONS[method]}): starting {NODES} vLLM servers")
             result = run.run(drain_timeout_s, progress, on_turn, on_method_start)
             report.methods.append(result)
@@ -223,7 +229,7 @@ class _MethodRun:
         workload: Workload,
         sizing: Sizing,
         store: StoreTarget | None,
-        nvme_bytes: int,
+        report: FleetReport,
         root: Path,
         log_dir: Path | None,
     ) -> None:
@@ -232,13 +238,14 @@ class _MethodRun:
         self.workload = workload
         self.sizing = sizing
         self.store = store
-        self.nvme_bytes = nvme_bytes
+        self.nvme_bytes = report.nvme_bytes
+        self.tier_options = report.tier_options
         self.root = root
         self.log_dir = log_dir
         self.ours = method in _OURS
         self.aware = method == "ours-aware"
         self.cache_dirs = [root / f"node{i}" / "nvme" for i in range(NODES)]
-        self.node_cpus: list[list[int]] = [[] for _ in range(NODES)]
+        self.node_cpus = report.node_cpus
         self.store_url = (
             f"{store.store_url.rstrip('/')}/fleet-{method}-{time.time_ns()}" if store is not None else ""
         )
@@ -303,6 +310,7 @@ class _MethodRun:
                 "store_url": self.store_url,
                 "cache_dir": str(self.cache_dirs[node]),
                 "cache_bytes": self.nvme_bytes,
+                **self.tier_options,
             }
             if self.store.endpoint:
                 tier["s3_endpoint"] = self.store.endpoint
@@ -353,6 +361,7 @@ class _MethodRun:
         after = [s.metrics() for s in servers]
         result = _result(self.method, turns, before, after, ours=self.ours)
         result.cpu_s = _delta(cpu_before, cpu_after)
+        result.prompt_tokens_per_cpu_s = result.prompt_tokens / max(0.01, sum(result.cpu_s.values()))
         if self.ours:
             self._drain(result, drain_timeout_s, progress)
             result.drain_cpu_s = _delta(cpu_after, accounts.cpu_s())
