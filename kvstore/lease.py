@@ -36,6 +36,7 @@ from typing import Any, Self
 
 from kvstore.errors import KVStoreError
 from kvstore.layout import LEASE_PREFIX
+from kvstore.processes import start_time
 from kvstore.stores import ObjectStore
 
 __all__ = [
@@ -84,19 +85,9 @@ def _machine() -> str | None:
     return f"{socket.gethostname()}/{boot}/{namespace}"
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time, `"zombie"` for one that died and waits to be reaped, `None` if unreadable."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ", which may hold spaces
-    return "zombie" if fields[0] in ("Z", "X") else fields[19]
-
-
 def this_process() -> HolderProcess | None:
     """This process as a lease records it; `None` where the machine cannot be identified (no /proc)."""
-    machine, started = _machine(), _start_time(os.getpid())
+    machine, started = _machine(), start_time(os.getpid())
     if machine is None or started is None:
         return None
     return HolderProcess(machine, os.getpid(), started)
@@ -111,7 +102,7 @@ def _process_gone(process: HolderProcess) -> bool:
         pass  # it exists, under another user
     # Exists: gone only if it is a zombie or another process (started at another time). An unreadable start
     # time (a /proc mounted with hidepid) proves nothing, so the holder is trusted.
-    started = _start_time(process.pid)
+    started = start_time(process.pid)
     return started is not None and started != process.started
 
 

@@ -43,7 +43,6 @@ class Node:
     engine: TieredStore
     embedded: SeaweedServer | None = None
     agent: NodeAgent | None = None
-    _agent_threads: EngineThreads | None = None
     _closed: bool = False
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -58,8 +57,6 @@ class Node:
         self.engine.close()
         if self.agent is not None:
             self.agent.stop()
-        if self._agent_threads is not None:
-            self._agent_threads.join(10.0)
         self.cache.close()
         self.store.close()
         if self.embedded is not None:
@@ -167,7 +164,7 @@ def open_node(
         if server is not None:
             server.stop()
         raise
-    hosted, agent_threads = _host_agent(settings, cache, store, metrics) if agent == "host" else (None, None)
+    hosted = _host_agent(settings, cache, store, metrics) if agent == "host" else None
     watch = None
     if agent == "spawn":
         watch = AgentWatch(
@@ -202,7 +199,6 @@ def open_node(
         engine=engine,
         embedded=server,
         agent=hosted,
-        _agent_threads=agent_threads,
     )
 
 
@@ -216,26 +212,18 @@ def _threads(settings: Settings) -> EngineThreads:
 
 def _host_agent(
     settings: Settings, cache: NVMeCache, store: ObjectStore, metrics: EngineMetrics
-) -> tuple[NodeAgent | None, EngineThreads | None]:
+) -> NodeAgent | None:
     """The node agent, run by this process unless another process already runs it."""
-    threads = _threads(settings)
-    agent = NodeAgent(
-        cache,
-        store,
-        metrics=metrics,
-        threads=threads,
-        outage_cooldown_s=settings.outage_cooldown_s,
-        pin_sync_s=settings.pin_sync_s,
-        idle_priority=False,
-        publish_counters=False,
+    agent = NodeAgent.for_settings(
+        settings, cache, store, metrics, idle_priority=False, publish_counters=False
     )
     try:
         agent.start(wait_s=0.5)
     except AgentAlreadyRunning:
         log.info("a node agent already runs for %s: this process hosts none", settings.cache_dir)
-        threads.join(0)
-        return None, None
-    return agent, threads
+        agent.stop(0)
+        return None
+    return agent
 
 
 def open_cache(settings: Settings) -> NVMeCache:

@@ -13,7 +13,6 @@ from prometheus_client import REGISTRY, start_http_server
 from kvstore.agent.node_agent import AgentAlreadyRunning, NodeAgent
 from kvstore.agent.supervisor import lower_priority
 from kvstore.config import Settings
-from kvstore.engine.threads import EngineThreads
 from kvstore.metrics import EngineMetrics
 from kvstore.runtime import open_cache, open_object_store
 
@@ -43,24 +42,13 @@ def run_agent(
     store, server = open_object_store(settings)
     cache = open_cache(settings)
     metrics = EngineMetrics.for_registry(REGISTRY)
-    threads = EngineThreads(
-        io_workers=settings.io_workers,
-        disk_workers=settings.disk_workers,
-        upload_workers=settings.upload_workers,
-    )
-    agent = NodeAgent(
-        cache,
-        store,
-        metrics=metrics,
-        threads=threads,
-        outage_cooldown_s=settings.outage_cooldown_s,
-        pin_sync_s=settings.pin_sync_s,
-        exit_when_idle_s=exit_when_idle_s,
-    )
+    agent = NodeAgent.for_settings(settings, cache, store, metrics, exit_when_idle_s=exit_when_idle_s)
     try:
         while True:
             try:
-                agent.start(wait_s=5.0)
+                # An engine's agent gives way at once (another engine started one a moment earlier); an
+                # operator's waits for the one that runs to go.
+                agent.start(wait_s=5.0 if wait_for_lock else 1.0)
                 break
             except AgentAlreadyRunning as exc:
                 if not wait_for_lock:
@@ -77,7 +65,6 @@ def run_agent(
         return 0
     finally:
         agent.stop()
-        threads.join(10.0)
         cache.close()
         store.close()
         if server is not None:

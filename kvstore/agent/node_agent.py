@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstore.access import AccessRecorder
 from kvstore.agent.admission import Admitter
@@ -34,6 +35,7 @@ from kvstore.agent.link import HintInbox, Hints
 from kvstore.agent.supervisor import HEARTBEAT_S, AgentLock, live_engines, lower_priority
 from kvstore.agent.uploads import Uploader
 from kvstore.cache import NVMeCache
+from kvstore.config import Settings
 from kvstore.engine.bad_chunks import count_removals
 from kvstore.engine.breaker import Breaker
 from kvstore.engine.node_counters import NodeCounters
@@ -90,6 +92,7 @@ class NodeAgent:
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
+        self._owns_threads = False
         self.hints_received = 0
 
     # -- lifecycle ---------------------------------------------------------------------------------------
@@ -112,6 +115,36 @@ class NodeAgent:
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._owns_threads:
+            self._threads.join(timeout)
+
+    @classmethod
+    def for_settings(
+        cls,
+        settings: Settings,
+        cache: NVMeCache,
+        store: ObjectStore | None,
+        metrics: EngineMetrics,
+        **options: Any,
+    ) -> NodeAgent:
+        """An agent with the workers, cooldown and pin sync ``settings`` name, and threads of its own (which
+        `stop` ends); ``options`` as for the constructor."""
+        threads = EngineThreads(
+            io_workers=settings.io_workers,
+            disk_workers=settings.disk_workers,
+            upload_workers=settings.upload_workers,
+        )
+        agent = cls(
+            cache,
+            store,
+            metrics=metrics,
+            threads=threads,
+            outage_cooldown_s=settings.outage_cooldown_s,
+            pin_sync_s=settings.pin_sync_s,
+            **options,
+        )
+        agent._owns_threads = True
+        return agent
 
     @property
     def running(self) -> bool:

@@ -40,6 +40,7 @@ from typing import IO, Any
 from pydantic import BaseModel, SecretStr
 
 from kvstore.config import Settings
+from kvstore.processes import alive, state
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def agent_status(cache_dir: str | os.PathLike[str]) -> AgentStatus:
     except (OSError, ValueError):
         return AgentStatus(running=True)  # between taking the lock and writing its status
     pid = info.get("pid") if isinstance(info.get("pid"), int) else None
-    hung = age > HUNG_S and pid is not None and _process_state(pid) not in ("R", None)
+    hung = age > HUNG_S and pid is not None and state(pid) not in ("R", None)
     return AgentStatus(True, pid, info.get("host"), info.get("started"), age, hung)
 
 
@@ -194,19 +195,19 @@ def unregister_engine(marker: Path) -> None:
 
 def live_engines(cache_dir: str | os.PathLike[str]) -> list[int]:
     """Pids of engine processes using the cache; markers of dead ones are removed."""
-    alive: list[int] = []
+    live: list[int] = []
     folder = Path(cache_dir) / ENGINES_DIR
     with contextlib.suppress(FileNotFoundError):
         for marker in folder.iterdir():
             if not marker.name.isdigit():
                 continue
             pid = int(marker.name)
-            if _alive(pid):
-                alive.append(pid)
+            if alive(pid):
+                live.append(pid)
             else:
                 with contextlib.suppress(FileNotFoundError):
                     marker.unlink()
-    return alive
+    return live
 
 
 # -- starting and stopping -----------------------------------------------------------------------------
@@ -284,25 +285,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return value.name.lower()  # the codec, by name
     return value
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _process_state(pid: int) -> str | None:
-    """The one-letter state of a process (R running, S sleeping, D disk wait, Z zombie...), None if gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[-1].split()[0]
 
 
 class AgentWatch:

@@ -48,6 +48,7 @@ import numpy as np
 
 from kvstore.chunk import BLOCK, Buffer
 from kvstore.errors import CacheError
+from kvstore.processes import alive
 
 log = logging.getLogger(__name__)
 
@@ -340,7 +341,7 @@ class ChunkFiles:
         with contextlib.suppress(FileNotFoundError), os.scandir(self._writers) as found:
             for entry in found:
                 pid = _writer_pid(entry.name)
-                if pid is not None and pid != os.getpid() and not _alive(pid):
+                if pid is not None and pid != os.getpid() and not alive(pid):
                     dead.add(pid)
                     markers.append(entry.path)
         files = freed = 0
@@ -407,16 +408,6 @@ def _writer_pid(name: str) -> int | None:
     """The pid in a tmp file's or a writer marker's name (``.<pid>.<...>.tmp``, ``<pid>.<random>``)."""
     head = name.rsplit("/", 1)[-1].lstrip(".").split(".", 1)[0]
     return int(head) if head.isdigit() else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
 
 
 def _fsync_dir(directory: str | Path) -> None:
