@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -53,9 +54,16 @@ def open_under(root: Path) -> list[str]:
 def test_every_method_once(
     tiny_model: Path, s3_server: Any, s3_store: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    temp = tmp_path / "tmp"  # the servers' and the indexer's temporary directories
-    temp.mkdir()
+    # The servers' and the indexer's temporary directories, short enough for ZMQ's socket paths.
+    temp = Path(tempfile.mkdtemp(prefix="kvf-"))
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    try:
+        _every_method_once(tiny_model, s3_server, s3_store, tmp_path, temp)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _every_method_once(tiny_model: Path, s3_server: Any, s3_store: Any, tmp_path: Path, temp: Path) -> None:
     workload = Workload(
         conversations=CONVERSATIONS,
         context_tokens=512,
@@ -133,7 +141,7 @@ def test_every_method_once(
 
     # Everything the run started is stopped and its directories are gone; logs were kept.
     assert not list(work.iterdir()) and not list(temp.iterdir())
-    assert open_under(tmp_path) == []
+    assert open_under(tmp_path) == [] and open_under(temp) == []
     assert {p.name for p in (tmp_path / "logs").iterdir()} >= {
         "fs-rr-node0.log",
         "ours-rr-node1-agent.log",
