@@ -655,7 +655,7 @@ def plot_report(report: FleetReport, path: Path, title: str) -> None:
     methods = report.methods
     names = [m.method for m in methods]
     xs = list(range(len(methods)))
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    fig, axes = plt.subplots(2, 2, figsize=(11, 9))
     (tput, ttft), (shares, cpu) = axes
     bars = tput.bar(xs, [m.prompt_tokens_per_s for m in methods], color="tab:blue")
     tput.bar_label(bars, fmt="{:,.0f}", fontsize=8)
@@ -671,7 +671,7 @@ def plot_report(report: FleetReport, path: Path, title: str) -> None:
         shares.bar(xs, values, bottom=bottom, label=_SHARE_LABELS[key])
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     shares.set_ylabel("% of prompt tokens")
-    shares.legend(fontsize=7, loc="lower right")
+    shares.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3)
     labels = sorted({k for m in methods for k in m.cpu_s})
     bottom = [0.0] * len(methods)
     for label in labels:
@@ -679,7 +679,7 @@ def plot_report(report: FleetReport, path: Path, title: str) -> None:
         cpu.bar(xs, values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     cpu.set_ylabel("CPU seconds (turns + upload drain)")
-    cpu.legend(fontsize=7)
+    cpu.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=4)
     for ax in (tput, ttft, shares, cpu):
         ax.set_xticks(xs, names)
         ax.grid(True, axis="y", alpha=0.3)
