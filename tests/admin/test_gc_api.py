@@ -208,7 +208,7 @@ def test_gc_publishes_block_removed_for_deleted_chunks_only(
     as_vllm = {name: maybe_convert_block_hash(BlockHash(h)) for name, h in hashes.items()}
     assert removed == {0: [as_vllm["old"]], 1: [as_vllm["old1"]]}
     assert {(e.medium, e.locality, e.ownership) for e in batch.events} == {
-        ("STORAGE", "REMOTE", OWNERSHIP_OBJECT)  # the bucket copy's residency, not the NVMe one's
+        ("STORAGE", "LOCAL", OWNERSHIP_OBJECT)  # the residency the tiers report (object_locality's default)
     }
     # Nothing else was sent for this GC (kept chunks included): the next batch is this marker.
     app.state.events.publish_removed([keys["young"]])
