@@ -15,11 +15,11 @@ from kvstore.agent.supervisor import AgentWatch, spawn_agent
 from kvstore.agent.uploads import wait_uploaded
 from kvstore.cache import NVMeCache
 from kvstore.config import LOCAL_REGION, Settings, StoreSpec
-from kvstore.embedded import SeaweedServer, ensure_embedded_server
 from kvstore.engine import EngineThreads, TieredStore
 from kvstore.errors import StoreUnavailable
 from kvstore.metrics import EngineMetrics
 from kvstore.stores import ObjectStore, RegionalStore, open_store
+from kvstore.stores.embedded import SeaweedServer, ensure_embedded_server
 
 log = logging.getLogger(__name__)
 

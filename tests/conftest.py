@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import signal
 import threading
 import uuid
 from collections.abc import Callable, Generator, Iterator
@@ -23,9 +24,9 @@ from minio.deleteobjects import DeleteObject
 from prometheus_client import CollectorRegistry
 
 from kvstore.config import load_settings
-from kvstore.embedded import SeaweedServer
 from kvstore.metrics import EngineMetrics
 from kvstore.runtime import Node, open_node
+from kvstore.stores.embedded import SeaweedServer
 from kvstore.stores.s3 import S3Store
 from tests.helpers import require_vllm, vllm_expected
 
@@ -38,17 +39,25 @@ class S3Server:
     access_key: str
     secret_key: str
     kind: str
-    _seaweed: SeaweedServer | None = field(default=None, repr=False)
+    seaweed: SeaweedServer | None = field(default=None, repr=False)  # a server of the fixtures' own
+
+    def _own(self, what: str) -> SeaweedServer:
+        if self.seaweed is None:
+            pytest.skip(f"cannot {what} the {self.kind} S3 server")
+        return self.seaweed
 
     def stop(self) -> None:
-        if self._seaweed is None:
-            pytest.skip(f"cannot stop the {self.kind} S3 server")
-        self._seaweed.stop()
+        self._own("stop").stop()
 
     def start(self) -> None:
-        if self._seaweed is None:
-            pytest.skip(f"cannot start the {self.kind} S3 server")
-        self._seaweed.start()
+        self._own("start").start()
+
+    def freeze(self, on: bool = True) -> None:
+        """SIGSTOP the server's processes (`on`), or let them go on: frozen, it still accepts connections (the
+        kernel does) and never answers."""
+        pid = self._own("freeze").pid
+        assert pid is not None, "the server is not running"
+        os.killpg(pid, signal.SIGSTOP if on else signal.SIGCONT)
 
     def client(self) -> Minio:
         secure = self.endpoint.startswith("https://")

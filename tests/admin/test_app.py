@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -54,13 +52,8 @@ def test_healthz_and_metrics(node: Node, private_s3_server: Any) -> None:
 def freeze(private_s3_server: Any) -> Iterator[Callable[[bool], None]]:
     """freeze(True) stops the node's S3 server with SIGSTOP (it keeps accepting connections, never answers);
     freeze(False) lets it go on."""
-    pid = private_s3_server._seaweed.pid
-
-    def freeze(on: bool) -> None:
-        os.killpg(pid, signal.SIGSTOP if on else signal.SIGCONT)
-
-    yield freeze
-    freeze(False)
+    yield private_s3_server.freeze
+    private_s3_server.freeze(False)
 
 
 def test_health_and_stats_answer_within_two_seconds_of_a_frozen_store(

@@ -37,11 +37,11 @@ from prometheus_client import CollectorRegistry
 from kvstore.admin.app import create_app
 from kvstore.agent.uploads import wait_uploaded
 from kvstore.config import load_settings
-from kvstore.embedded import SeaweedServer
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, make_offload_key
 from kvstore.metrics import EngineMetrics
 from kvstore.runtime import Node, open_node
+from kvstore.stores.embedded import SeaweedServer
 
 HANG_S = 15.0  # longer than any deadline of the store (5 s data path, about 11 s control path)
 CHUNK = 256 << 10
@@ -189,11 +189,7 @@ def run(stops: list[float]) -> dict[str, Any]:
         token = "freeze-test-admin-token-" + os.urandom(6).hex()
         try:
             bucket = "freeze"
-            from kvstore.stores import S3Store
-
-            with S3Store(
-                bucket, endpoint=server.endpoint, access_key=server.access_key, secret_key=server.secret_key
-            ) as s:
+            with server.store(bucket) as s:
                 s.create_bucket()
             ns = Namespace(model_name="freeze/model", tokens_per_hash=16, dtype="bfloat16")
             keys = [ns.chunk_key(make_offload_key(i.to_bytes(32, "big"))) for i in range(64)]

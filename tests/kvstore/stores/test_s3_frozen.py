@@ -5,13 +5,11 @@ reliability table has the measured figures."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -32,15 +30,12 @@ def frozen(private_s3_server: S3Server) -> Iterator[tuple[S3Store, Callable[[], 
     """A store on a server of its own, and functions that freeze and thaw that server."""
     bucket = f"kvt-{uuid.uuid4().hex[:16]}"
     private_s3_server.client().make_bucket(bucket)
-    seaweed: Any = private_s3_server._seaweed
-    pid = seaweed.pid
-    assert pid is not None
 
     def freeze() -> None:
-        os.killpg(pid, signal.SIGSTOP)
+        private_s3_server.freeze(True)
 
     def thaw() -> None:
-        os.killpg(pid, signal.SIGCONT)
+        private_s3_server.freeze(False)
 
     with private_s3_server.store(bucket, "p") as store:
         try:

@@ -5,8 +5,8 @@ server opens is a free loopback port chosen here (SeaweedFS has fixed defaults t
 instances); the Admin UI, WebDAV, Iceberg and Lance endpoints are disabled or moved off defaults. The S3 API
 checks credentials: `weed mini` turns `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY` in its environment into an
 admin identity and then refuses anonymous or mis-signed requests. Its other ports (master, volume and filer
-HTTP, every gRPC port) refuse anyone without the server's own keys (`kvstore.embedded_security`), its data
-directory is private to its user, and its environment holds nothing of the caller's.
+HTTP, every gRPC port) refuse anyone without the server's own keys (`kvstore.stores.embedded_security`), its
+data directory is private to its user, and its environment holds nothing of the caller's.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
 
-from kvstore.embedded_security import weed_environment, write_security_config
 from kvstore.errors import ConfigError, StoreError, StoreUnavailable
+from kvstore.stores.embedded_security import weed_environment, write_security_config
 from kvstore.stores.s3 import S3Options, S3Store
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ _GRPC_SOCKET_DIR = Path("/tmp")
 # (after a restart `/healthz` and bucket listings succeed before volumes are readable again).
 _PROBE_BUCKET = "kvstore-embedded-probe"
 _PROBE_KEY = "ready"
+_PROBE_OPTIONS = S3Options(connect_timeout=0.5, read_timeout=5.0, retries=0)
 _SHELL_S = 120.0  # one maintenance pass of `weed shell`, at most
 _PORT_NAMES = (
     "master.port",
@@ -160,6 +161,12 @@ class SeaweedServer:
         if self._ports is None:
             raise StoreError("the SeaweedFS server has not been started yet")
         return f"http://{_HOST}:{self._ports.s3}"
+
+    @property
+    def ports(self) -> dict[str, int]:
+        """Every port the server listens on, by its `weed mini` flag ("s3.port", "master.port.grpc", ...);
+        empty before the first start (and for a handle on another process's server)."""
+        return dict(self._ports.by_flag) if self._ports is not None else {}
 
     @property
     def log_path(self) -> Path:
@@ -298,19 +305,22 @@ class SeaweedServer:
                     shell.wait()
                 self._shell = None
 
-    def _probe_store(self) -> S3Store:
+    def store(self, bucket: str, prefix: str = "", *, options: S3Options | None = None) -> S3Store:
+        """A store on `bucket` of this server, signed with the server's own keys (never the caller's
+        `AWS_SESSION_TOKEN`, which belongs to some other account). The caller closes it."""
         return S3Store(
-            _PROBE_BUCKET,
+            bucket,
+            prefix,
             endpoint=self.endpoint,
             access_key=self.access_key,
             secret_key=self.secret_key,
-            session_token="",  # the caller's AWS_SESSION_TOKEN belongs to some other account
-            options=S3Options(connect_timeout=0.5, read_timeout=5.0, retries=0),
+            session_token="",
+            options=options,
         )
 
     def _wait_ready(self, deadline: float) -> None:
         last_error: Exception | None = None
-        with self._probe_store() as probe:
+        with self.store(_PROBE_BUCKET, options=_PROBE_OPTIONS) as probe:
             while True:
                 if self._process is None or self._process.poll() is not None:
                     code = None if self._process is None else self._process.returncode
@@ -428,13 +438,7 @@ def ensure_embedded_server(
         server = SeaweedServer(root, access_key=access_key, secret_key=secret_key)
         server.start(timeout)
         try:
-            with S3Store(
-                bucket,
-                endpoint=server.endpoint,
-                access_key=access_key,
-                secret_key=secret_key,
-                session_token="",
-            ) as s:
+            with server.store(bucket) as s:
                 s.create_bucket()
             assert server.pid is not None
             _write_json(root / _STATE_FILE, {"pid": server.pid, "endpoint": server.endpoint})
@@ -471,7 +475,7 @@ def _running_server(root: Path, access_key: str, secret_key: str) -> SeaweedServ
         return None
     shared = SeaweedServer.attach(root, endpoint, access_key=access_key, secret_key=secret_key)
     try:
-        with shared._probe_store() as probe:
+        with shared.store(_PROBE_BUCKET, options=_PROBE_OPTIONS) as probe:
             probe.check()
     except StoreError:
         return None

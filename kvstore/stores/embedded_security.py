@@ -128,7 +128,7 @@ def write_security_config(data_dir: Path) -> Path:
     if not _certificates_valid(tls):
         _make_certificates(tls)
     lines = [
-        "# Written by kvstore at every start of its embedded S3 server; see kvstore/embedded_security.py"
+        "# Written by kvstore at every start of its embedded S3 server (kvstore/stores/embedded_security.py)"
     ]
     for section in ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read"):
         lines += [

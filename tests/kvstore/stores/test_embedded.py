@@ -14,9 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
-from kvstore.embedded import SeaweedServer, ensure_embedded_server, find_weed_binary
 from kvstore.errors import StoreAuthError
 from kvstore.stores import S3Store
+from kvstore.stores.embedded import SeaweedServer, ensure_embedded_server, find_weed_binary
 
 pytestmark = pytest.mark.integration
 
@@ -38,9 +38,7 @@ def test_credentials_persist_with_0600_and_are_reused(tmp_path: Path) -> None:
         assert (saved["access_key"], saved["secret_key"]) == (server.access_key, server.secret_key)
         assert server.start_seconds is not None
         assert (data_dir / "weed.log").is_file()
-        with S3Store(
-            "kvb", endpoint=server.endpoint, access_key=server.access_key, secret_key=server.secret_key
-        ) as store:
+        with server.store("kvb") as store:
             store.check()
             store.put("k", b"persisted")
         with (
@@ -56,9 +54,7 @@ def test_credentials_persist_with_0600_and_are_reused(tmp_path: Path) -> None:
     again = ensure_embedded_server(data_dir, bucket="kvb")
     try:
         assert (again.access_key, again.secret_key) == (saved["access_key"], saved["secret_key"])
-        with S3Store(
-            "kvb", endpoint=again.endpoint, access_key=again.access_key, secret_key=again.secret_key
-        ) as store:
+        with again.store("kvb") as store:
             assert store.get("k") == b"persisted"
     finally:
         again.stop()
@@ -73,9 +69,7 @@ def test_a_running_embedded_server_is_shared_not_started_twice(tmp_path: Path) -
         assert owner.owned and not shared.owned
         assert shared.endpoint == owner.endpoint
         shared.stop()  # a sharer's stop leaves the owner's server serving
-        with S3Store(
-            "kvb", endpoint=owner.endpoint, access_key=owner.access_key, secret_key=owner.secret_key
-        ) as store:
+        with owner.store("kvb") as store:
             store.put("k", b"still up")
             assert store.get("k") == b"still up"
     finally:
@@ -84,9 +78,7 @@ def test_a_running_embedded_server_is_shared_not_started_twice(tmp_path: Path) -
     fresh = ensure_embedded_server(data_dir, bucket="kvb")
     try:
         assert fresh.owned and fresh.running
-        with S3Store(
-            "kvb", endpoint=fresh.endpoint, access_key=fresh.access_key, secret_key=fresh.secret_key
-        ) as store:
+        with fresh.store("kvb") as store:
             assert store.get("k") == b"still up"
     finally:
         fresh.stop()
@@ -95,14 +87,14 @@ def test_a_running_embedded_server_is_shared_not_started_twice(tmp_path: Path) -
 def test_restart_keeps_ports_and_data(tmp_path: Path) -> None:
     with SeaweedServer(tmp_path / "sw") as server:
         endpoint = server.endpoint
-        with S3Store(
-            "rb1", endpoint=endpoint, access_key=server.access_key, secret_key=server.secret_key
-        ) as store:
+        with server.store("rb1") as store:
             store.create_bucket()
             store.put("a", b"1")
             server.restart()
             assert server.endpoint == endpoint
             assert store.get("a") == b"1"
+    server.stop()  # stopping again (leaving the block stopped it) is harmless
+    assert not server.running
 
 
 def test_space_of_deleted_objects_is_reclaimed_at_the_next_start(tmp_path: Path) -> None:
@@ -114,9 +106,7 @@ def test_space_of_deleted_objects_is_reclaimed_at_the_next_start(tmp_path: Path)
     server = ensure_embedded_server(data_dir, bucket="kvb")
     keys = [f"bench/{i}" for i in range(24)]
     try:
-        with S3Store(
-            "kvb", endpoint=server.endpoint, access_key=server.access_key, secret_key=server.secret_key
-        ) as store:
+        with server.store("kvb") as store:
             for key in keys:
                 store.put(key, bytes(1 << 20))
             store.put("kept", b"live data survives the compaction")
@@ -133,9 +123,7 @@ def test_space_of_deleted_objects_is_reclaimed_at_the_next_start(tmp_path: Path)
         while volume_bytes() >= 8 << 20 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert volume_bytes() < 8 << 20
-        with S3Store(
-            "kvb", endpoint=again.endpoint, access_key=again.access_key, secret_key=again.secret_key
-        ) as store:
+        with again.store("kvb") as store:
             assert store.get("kept") == b"live data survives the compaction"
             assert store.get(keys[0]) is None
     finally:
@@ -165,12 +153,10 @@ def test_only_the_s3_port_answers_without_the_servers_keys(
         assert b"admin-token-never-in-weed" not in b"\0".join(environ)
         assert stat.S_IMODE((tmp_path / "sw").stat().st_mode) == 0o700
 
-        with S3Store(
-            "door", endpoint=server.endpoint, access_key=server.access_key, secret_key=server.secret_key
-        ) as store:
+        with server.store("door") as store:
             store.create_bucket()
             store.put("obj", b"the real object")
-            ports = server._ports.by_flag  # type: ignore[union-attr]
+            ports = server.ports
             filer, master, volume = (
                 f"http://127.0.0.1:{ports[n]}" for n in ("filer.port", "master.port", "volume.port")
             )
@@ -227,9 +213,9 @@ def test_a_maintenance_pass_that_starts_after_stop_ends_at_once(tmp_path: Path) 
     a dead master for minutes, beyond the test or command that started the server."""
     server = SeaweedServer(tmp_path / "sw")
     server.start()
-    process, ports = server._process, server._ports
-    assert process is not None and ports is not None
-    master = f"127.0.0.1:{ports.by_flag['master.port']}.{ports.by_flag['master.port.grpc']}"
+    process, ports = server._process, server.ports
+    assert process is not None
+    master = f"127.0.0.1:{ports['master.port']}.{ports['master.port.grpc']}"
     server.stop()
     late_pass = threading.Thread(
         target=server._shell_pass, args=(process, master, ["volume.vacuum"]), daemon=True
