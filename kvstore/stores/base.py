@@ -128,7 +128,8 @@ class ObjectStore(abc.ABC):
         """Raise `BucketNotFound`, `StoreAuthError` or `StoreUnavailable` if the store cannot be used."""
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
-        """Release connections and threads. The store must not be used afterwards."""
+        """Release connections and threads. The store must not be used afterwards; closing it again is
+        harmless (a no-op)."""
 
     def __enter__(self) -> Self:
         return self

@@ -296,6 +296,8 @@ class RegionalStore(ObjectStore):
     @override
     def close(self) -> None:
         with self._copies_idle:
+            if self._closed:
+                return  # the first close closed every region's store
             self._closed = True
         self._copier.shutdown(wait=True, cancel_futures=True)
         for remote in self._remotes:

@@ -34,6 +34,12 @@ class TestObjectStoreConformance:
         assert store.exists_many(["no/such/key"]) == [False]
         assert not store.exists("no/such/key")
 
+    def test_closing_twice_is_harmless(self, store: ObjectStore) -> None:
+        store.put("k", b"v")
+        assert store.exists_many(["k", "other"]) == [True, False]  # pools and threads a backend starts
+        store.close()
+        store.close()  # and the fixture may close it once more
+
     def test_round_trip(self, store: ObjectStore) -> None:
         data = bytes(range(256)) * 64
         store.put("a/b/c.bin", data)
