@@ -36,9 +36,10 @@ from pydantic import SecretStr
 
 from kvstore.config import GiB, Settings
 from kvstore.connector.bench.multiturn import Sizing
+from kvstore.connector.harness.metrics import metric_delta
 from kvstore.connector.harness.multiturn import TurnRecord, Workload, replay
 from kvstore.connector.harness.tiny_model import TinyModelSpec, build_tiny_model, sample_text
-from kvstore.connector.harness.vllm_server import VLLMServer, metric_total, vllm_server
+from kvstore.connector.harness.vllm_server import VLLMServer, vllm_server
 from kvstore.runtime import EMBEDDED_BUCKET, open_node, open_object_store
 
 __all__ = ["DemoOptions", "DemoReport", "demo_sizing", "run_demo"]
@@ -283,25 +284,19 @@ def _wait_for_uploads(node: Any, timeout_s: float = 120.0) -> None:
 
 
 def _tier_counts(before: dict[str, float], after: dict[str, float]) -> dict[str, TierCounts]:
-    def delta(name: str, tier: str) -> float:
-        return float(metric_total(after, name, tier=tier) - metric_total(before, name, tier=tier))
-
     return {
         tier: TierCounts(
-            queries=delta("vllm:kvstore_chunk_queries_total", tier),
-            hits=delta("vllm:kvstore_chunk_hits_total", tier),
+            queries=metric_delta(before, after, "vllm:kvstore_chunk_queries_total", tier=tier),
+            hits=metric_delta(before, after, "vllm:kvstore_chunk_hits_total", tier=tier),
         )
         for tier in ("nvme", "object")
     }
 
 
 def _read_counts(report: DemoReport, before: dict[str, float], after: dict[str, float]) -> None:
-    def delta(name: str, **labels: str) -> float:
-        return float(metric_total(after, name, **labels) - metric_total(before, name, **labels))
-
-    report.prompt_tokens = delta("vllm:prompt_tokens_total")
+    report.prompt_tokens = metric_delta(before, after, "vllm:prompt_tokens_total")
     report.token_sources = {
-        source: delta("vllm:prompt_tokens_cached_by_source_total", source=source)
+        source: metric_delta(before, after, "vllm:prompt_tokens_cached_by_source_total", source=source)
         for source in ("device", "host", "disk")
     }
     report.kvstore_tiers = _tier_counts(before, after)

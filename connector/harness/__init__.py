@@ -5,5 +5,6 @@
 - `engine_runner`: a vLLM engine in a subprocess (`engine_child`), whose KV blocks can be read back and
   compared;
 - `standalone`: the tier outside an engine, on a primary region of our own, through vLLM's tier API;
-- `multiturn`: the multi-turn chat replay the demo and `kvstore bench multiturn` send.
+- `multiturn`: the multi-turn chat replay the demo and `kvstore bench multiturn` send;
+- `metrics`: the flat metric snapshots both runners return, and the sums the callers read from them.
 """

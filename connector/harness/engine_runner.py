@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.connector.harness import engine_child
+from kvstore.connector.harness.metrics import metric_total
 
 __all__ = [
     "EngineError",
@@ -100,15 +101,7 @@ class EngineRun:
         if name not in self.metric_names:
             similar = sorted(n for n in self.metric_names if n[:12] == name[:12])
             raise UnknownMetric(f"the engine declares no metric {name!r} (similar: {similar})")
-        total = 0.0
-        for key, value in self.metrics.items():
-            base, _, rest = key.partition("{")
-            if base != name:
-                continue
-            have = dict(kv.split("=", 1) for kv in rest.rstrip("}").split(",") if kv)
-            if all(have.get(k) == v for k, v in labels.items()):
-                total += value
-        return total
+        return metric_total(self.metrics, name, **labels)
 
 
 class EngineError(RuntimeError):

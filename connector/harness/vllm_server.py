@@ -33,10 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.connector.harness.engine_runner import remove_new_shm, shm_snapshot, vllm_child_env
+from kvstore.connector.harness.metrics import metric_total, parse_metrics
 
+# metric_total and parse_metrics live in harness.metrics; benchmarks import them from here too.
 __all__ = ["VLLMServer", "VLLMServerError", "metric_total", "parse_metrics", "vllm_server"]
 
 _ENTRY_MODULE = "vllm.entrypoints.launchers.api_server.entry"
@@ -66,31 +67,6 @@ class VLLMServer:
 
     def log_tail(self, n: int = 12000) -> str:
         return _tail(self.log_path, n)
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> flat samples, in the engine runner's key format (`_created` stamps dropped)."""
-    flat: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.endswith("_created"):
-                continue
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            flat[f"{sample.name}{{{labels}}}" if labels else sample.name] = float(sample.value)
-    return flat
-
-
-def metric_total(snapshot: Mapping[str, float], name: str, **labels: str) -> float:
-    """Sum of `name` over every label set in `snapshot` that includes `labels`."""
-    total = 0.0
-    for key, value in snapshot.items():
-        base, _, rest = key.partition("{")
-        if base != name:
-            continue
-        have = dict(kv.split("=", 1) for kv in rest.rstrip("}").split(",") if kv)
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += value
-    return total
 
 
 @contextlib.contextmanager
