@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import signal
-import threading
 import uuid
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -28,7 +26,7 @@ from kvstore.metrics import EngineMetrics
 from kvstore.runtime import Node, open_node
 from kvstore.stores.embedded import SeaweedServer
 from kvstore.stores.s3 import S3Store
-from tests.helpers import require_vllm, vllm_expected
+from tests.helpers import KVEventSubscriber, vllm_expected
 
 
 @dataclass
@@ -263,47 +261,6 @@ def open_test_node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
     yield open_
     for node in reversed(opened):
         node.close()
-
-
-class KVEventSubscriber:
-    """A router's side of KV events: a SUB socket, bound on a free loopback port or connected to
-    `connect_to`, receiving on its own thread (a ZMQ socket completes its handshake, and so sends its
-    subscription, only while its owner calls into ZMQ). Batches decode with vLLM's own `KVEventBatch`."""
-
-    def __init__(self, *, connect_to: str = "") -> None:
-        import msgspec
-        import zmq
-
-        require_vllm()
-        from vllm.distributed import kv_events
-
-        self._decoder = msgspec.msgpack.Decoder(type=kv_events.KVEventBatch)
-        self._messages: queue.Queue[list[bytes]] = queue.Queue()
-        self._sock = zmq.Context.instance().socket(zmq.SUB)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        if connect_to:
-            self._sock.connect(connect_to)
-            self.endpoint = connect_to
-        else:
-            self.endpoint = f"tcp://127.0.0.1:{self._sock.bind_to_random_port('tcp://127.0.0.1')}"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if self._sock.poll(50):
-                self._messages.put(self._sock.recv_multipart())
-
-    def next(self) -> tuple[bytes, int, Any]:
-        """The next batch: (topic, sequence number, decoded `KVEventBatch`)."""
-        topic, seq, payload = self._messages.get(timeout=30)  # bounds a broken run only; never a timing check
-        return topic, int.from_bytes(seq, "big"), self._decoder.decode(payload)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sock.close(linger=0)
 
 
 @pytest.fixture

@@ -8,7 +8,9 @@ registry does not declare, so a renamed or lost metric cannot read as 0.
 from __future__ import annotations
 
 import os
+import queue
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -22,6 +24,8 @@ from kvstore.stores.base import Data, ObjectInfo, ObjectStore
 
 __all__ = [
     "FakeClock",
+    "ForwardingStore",
+    "KVEventSubscriber",
     "cli_env",
     "free_port",
     "listed_older_than",
@@ -240,3 +244,54 @@ class ForwardingStore(ObjectStore):
     @override
     def close(self) -> None:
         self.inner.close()
+
+
+class KVEventSubscriber:
+    """A router's side of KV events: a SUB socket, bound on a free loopback port or connected to
+    `connect_to`, receiving on its own thread (a ZMQ socket completes its handshake, and so sends its
+    subscription, only while its owner calls into ZMQ). Batches decode with vLLM's own `KVEventBatch`."""
+
+    def __init__(self, *, connect_to: str = "") -> None:
+        import msgspec
+        import zmq
+
+        require_vllm()
+        from vllm.distributed import kv_events
+
+        self._decoder = msgspec.msgpack.Decoder(type=kv_events.KVEventBatch)
+        self._messages: queue.Queue[list[bytes]] = queue.Queue()
+        self._events: list[Any] = []
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        if connect_to:
+            self._sock.connect(connect_to)
+            self.endpoint = connect_to
+        else:
+            self.endpoint = f"tcp://127.0.0.1:{self._sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._sock.poll(50):
+                self._messages.put(self._sock.recv_multipart())
+
+    def next(self) -> tuple[bytes, int, Any]:
+        """The next batch: (topic, sequence number, decoded `KVEventBatch`)."""
+        topic, seq, payload = self._messages.get(timeout=30)  # bounds a broken run only; never a timing check
+        return topic, int.from_bytes(seq, "big"), self._decoder.decode(payload)
+
+    def events(self) -> list[Any]:
+        """Every event received so far, in order, from the batches `next` has not returned."""
+        while True:
+            try:
+                payload = self._messages.get_nowait()[-1]
+            except queue.Empty:
+                return list(self._events)
+            self._events.extend(self._decoder.decode(payload).events)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sock.close(linger=0)

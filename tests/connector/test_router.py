@@ -22,7 +22,6 @@ the tests assert on the records.
 from __future__ import annotations
 
 import random
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import require_vllm
+from tests.helpers import KVEventSubscriber, require_vllm
 
 require_vllm()
 
@@ -46,9 +45,7 @@ from kvstore.connector.harness.router import (  # noqa: E402
 if (_reason := unavailable_reason()) is not None:
     pytest.skip(_reason, allow_module_level=True)
 
-import msgspec  # noqa: E402
-import zmq  # noqa: E402
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
+from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
 
 from kvstore.cache import NVMeCache  # noqa: E402
 from kvstore.connector.configs import cpu_tiering_config  # noqa: E402
@@ -96,30 +93,6 @@ class Story:
     restart_held: dict[str, Credit] = field(default_factory=dict)
     restart_evicted: dict[str, Credit] = field(default_factory=dict)
     storage_events: list[Any] = field(default_factory=list)
-
-
-class EventLog:
-    """Every batch the engine publishes (both runs), decoded with vLLM's own decoder."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.events: list[Any] = []
-        self._socket = zmq.Context.instance().socket(zmq.SUB)
-        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self._socket.connect(endpoint)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        while not self._stop.is_set():
-            if self._socket.poll(50):
-                self.events.extend(decoder.decode(self._socket.recv_multipart()[-1]).events)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._socket.close(linger=0)
 
 
 def poll(read: Callable[[], Credit], until: Callable[[Credit], bool]) -> Credit:
@@ -222,10 +195,10 @@ def story(tiny_model: Path, s3_server: Any, tmp_path_factory: pytest.TempPathFac
                 replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
             )
 
-        log = EventLog(f"tcp://127.0.0.1:{port}")
+        log = KVEventSubscriber(connect_to=f"tcp://127.0.0.1:{port}")  # every batch of both engines
         try:
             _first_run(engine, register, credit, told)
-            prompt_hashes = _prompt_hashes(log.events)
+            prompt_hashes = _prompt_hashes(log.events())
             in_bucket = _chunk_keys(store)
             with NVMeCache(cache_dir, NVME_BYTES) as cache:
                 on_nvme = [
@@ -235,7 +208,7 @@ def story(tiny_model: Path, s3_server: Any, tmp_path_factory: pytest.TempPathFac
             told.in_bucket = chunk_counts(in_bucket, prompt_hashes)
             _gc(router, instance, model, store, prompt_hashes, credit, told)
             _restart(engine, router, instance, model, register, credit, told)
-            told.storage_events = [e for e in log.events if getattr(e, "medium", None) == "STORAGE"]
+            told.storage_events = [e for e in log.events() if getattr(e, "medium", None) == "STORAGE"]
         finally:
             log.close()
         yield told

@@ -9,7 +9,6 @@ same tokens.
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -246,56 +245,33 @@ def test_corrupt_chunks_are_never_served(
 
 
 def test_tiny_budget_and_kv_events(
-    tiny_model: Path, s3_server: Any, s3_store: ObjectStore, tmp_path: Path
+    tiny_model: Path, s3_server: Any, s3_store: ObjectStore, tmp_path: Path, kv_subscriber: Any
 ) -> None:
-    import msgspec
-    import zmq
-    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
     cache_dir = tmp_path / "nvme"
     budget = 2 * 2**20
     cfg = tier_config(s3_server, s3_store, cache_dir, cache_bytes=budget, enable_kv_events=True)
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    port = sub.bind_to_random_port("tcp://127.0.0.1")
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    events: list[Any] = []
-    stop = threading.Event()
-
-    def listen() -> None:
-        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        while not stop.is_set():
-            if sub.poll(100):
-                frames = sub.recv_multipart()
-                events.extend(decoder.decode(frames[-1]).events)
-
-    listener = threading.Thread(target=listen, daemon=True)
-    listener.start()
     prompts = [sample_text(1500, seed=s) for s in (41, 42)]
-    try:
-        run = run_engine(
-            tiny_model,
-            prompts,
-            kv_transfer_config=cfg,
-            kv_events_config={
-                "enable_kv_cache_events": True,
-                "publisher": "zmq",
-                "endpoint": f"tcp://127.0.0.1:{port}",
-                "topic": "kv",
-            },
-            env=creds(s3_server),
-            max_tokens=8,
-        )
+    run = run_engine(
+        tiny_model,
+        prompts,
+        kv_transfer_config=cfg,
+        kv_events_config={
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": kv_subscriber.endpoint,  # the engine connects to the subscriber
+            "topic": "kv",
+        },
+        env=creds(s3_server),
+        max_tokens=8,
+    )
 
-        def published() -> bool:
-            return any(isinstance(e, BlockStored) and e.medium == "STORAGE" for e in events)
+    def published() -> bool:
+        return any(isinstance(e, BlockStored) and e.medium == "STORAGE" for e in kv_subscriber.events())
 
-        wait_for(published, timeout=30, what="the tier's BlockStored events")
-    finally:
-        stop.set()
-        listener.join(5)
-        sub.close(0)
-        ctx.term()
+    wait_for(published, timeout=30, what="the tier's BlockStored events")
+    events = kv_subscriber.events()
 
     with NVMeCache(cache_dir, budget) as cache:
         assert cache.usage().used_bytes <= budget
