@@ -149,6 +149,15 @@ def _make_bucket(server: S3Server) -> Iterator[str]:
             _empty_and_remove(client, bucket)
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny local model (tokenizer, chat template, random weights), built once per run (~5 s); tests only
+    read it."""
+    from kvstore.connector.harness.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
 @pytest.fixture
 def s3_bucket(s3_server: S3Server) -> Iterator[str]:
     yield from _make_bucket(s3_server)

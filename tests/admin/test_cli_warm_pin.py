@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +24,6 @@ pytestmark = pytest.mark.integration
 KVSTORE = [sys.executable, "-m", "kvstore.admin.cli"]
 NS = Namespace(model_name="org/tiny", tokens_per_hash=16, dtype="bfloat16")
 PROMPT = "You are the storage agent of this fleet. " * 12
-
-
-@pytest.fixture
-def vllm(tmp_path: Path) -> Iterator[VLLMStandIn]:
-    from kvstore.connector.harness.tiny_model import build_tiny_model
-
-    standin = VLLMStandIn(build_tiny_model(tmp_path / "tiny"), served="tiny", root=NS.model_name)
-    yield standin
-    standin.close()
 
 
 def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,20 +60,6 @@ def test_pin_lifecycle_by_namespace_id(client: TestClient, node: Node) -> None:
     assert client.delete("/v1/pins/sys").status_code == 404
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvstore.connector.harness.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture
-def vllm(tiny_dir: Path) -> Iterator[VLLMStandIn]:
-    standin = VLLMStandIn(tiny_dir, served="tiny", root=NS.model_name)
-    yield standin
-    standin.close()
-
-
 @pytest.fixture
 def served_client(
     s3_server: Any, s3_store: Any, vllm: VLLMStandIn, open_test_node: Callable[..., Node], tmp_path: Path
@@ -101,13 +87,13 @@ LAYOUT = {
 
 
 def test_prompts_and_messages_are_tokenized_by_the_served_engine(
-    served_client: TestClient, vllm: VLLMStandIn, tiny_dir: Path
+    served_client: TestClient, vllm: VLLMStandIn, tiny_model: Path
 ) -> None:
     prompt = "the cache " * 30
     r = served_client.post("/v1/pins", json={"name": "p", **LAYOUT, "prompt": prompt})
     assert r.status_code == 201, r.text
     assert r.json()["namespace"] == NS.id and r.json()["keys"] == chunk_keys(
-        NS, tokens_from_prompt(tiny_dir, prompt)
+        NS, tokens_from_prompt(tiny_model, prompt)
     )
     assert vllm.calls("POST /tokenize") == [{"model": "tiny", "prompt": prompt, "add_special_tokens": True}]
 
@@ -117,7 +103,7 @@ def test_prompts_and_messages_are_tokenized_by_the_served_engine(
         "/v1/pins", json={"name": "m", "namespace": NS.id, "served_model": "tiny", "messages": system}
     )
     assert m.status_code == 201, m.text
-    assert m.json()["keys"] == chunk_keys(NS, tokens_from_messages(tiny_dir, system))
+    assert m.json()["keys"] == chunk_keys(NS, tokens_from_messages(tiny_model, system))
     assert vllm.calls("POST /tokenize")[-1] == {
         "model": "tiny",
         "messages": system,
@@ -131,11 +117,12 @@ def test_prompts_and_messages_are_tokenized_by_the_served_engine(
 
 
 def test_the_service_takes_no_paths_and_no_urls_from_a_request(
-    client: TestClient, served_client: TestClient, node: Node, tiny_dir: Path
+    client: TestClient, served_client: TestClient, node: Node, tiny_model: Path
 ) -> None:
     node.store.put(NS.config_key, json.dumps(NS.fields()).encode())
     path = served_client.post(
-        "/v1/pins", json={"name": "x", "namespace": NS.id, "prompt": "hi " * 40, "model_path": str(tiny_dir)}
+        "/v1/pins",
+        json={"name": "x", "namespace": NS.id, "prompt": "hi " * 40, "model_path": str(tiny_model)},
     )
     assert path.status_code == 422 and "model_path" in path.text
     url = served_client.post(

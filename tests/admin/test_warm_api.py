@@ -89,15 +89,6 @@ def test_warm_by_model_layout_and_failed_job(client: TestClient) -> None:
 
 
 @pytest.fixture
-def vllm(tmp_path: Path) -> Any:
-    from kvstore.connector.harness.tiny_model import build_tiny_model
-
-    standin = VLLMStandIn(build_tiny_model(tmp_path / "tiny"), served="tiny", root=NS.model_name)
-    yield standin
-    standin.close()
-
-
-@pytest.fixture
 def served_client(
     open_test_node: Callable[..., Node], s3_server: Any, s3_store: Any, tmp_path: Path
 ) -> Callable[..., TestClient]:

@@ -1,5 +1,5 @@
-"""Shared fixtures for the vLLM tests: the tiny local model, built once per session, and no node agent left
-running after a test."""
+"""Shared fixtures of the connector tests: no node agent left running after a test (the tiny local model is
+the root conftest's `tiny_model`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from kvstore.agent.supervisor import LOCK_NAME, stop_agent
-from kvstore.connector.harness.tiny_model import build_tiny_model
 
 
 @pytest.fixture(autouse=True)
@@ -19,8 +18,3 @@ def stop_node_agents(tmp_path: Path) -> Iterator[None]:
     yield
     for lock in tmp_path.rglob(LOCK_NAME):
         stop_agent(lock.parent, timeout_s=10)
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")

@@ -11,11 +11,9 @@ from kvstore.hashing import block_hashes
 from kvstore.prompts import tokens_from_messages, tokens_from_prompt
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvstore.connector.harness.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+@pytest.fixture
+def model_dir(tiny_model: Path) -> Path:
+    return tiny_model
 
 
 def test_prompt_and_messages_match_transformers(model_dir: Path) -> None:
