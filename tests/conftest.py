@@ -129,11 +129,15 @@ def private_s3_server(tmp_path: Path) -> Iterator[S3Server]:
         seaweed.stop(kill=True)
 
 
-def _empty_and_remove(client: Minio, bucket: str) -> None:
-    listing = client.list_objects(bucket, recursive=True)
+def _empty(client: Minio, bucket: str, prefix: str = "") -> None:
+    listing = client.list_objects(bucket, prefix=prefix, recursive=True)
     names = (DeleteObject(o.object_name) for o in listing if o.object_name)
     for _ in client.remove_objects(bucket, names):
         pass
+
+
+def _empty_and_remove(client: Minio, bucket: str) -> None:
+    _empty(client, bucket)
     client.remove_bucket(bucket)
 
 
@@ -160,13 +164,25 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def s3_bucket(s3_server: S3Server) -> Iterator[str]:
+    """A new bucket of this test's own (for tests of whole buckets)."""
+    yield from _make_bucket(s3_server)
+
+
+@pytest.fixture(scope="session")
+def _stores_bucket(s3_server: S3Server) -> Iterator[str]:
     yield from _make_bucket(s3_server)
 
 
 @pytest.fixture
-def s3_store(s3_server: S3Server, s3_bucket: str) -> Iterator[S3Store]:
-    with s3_server.store(s3_bucket, f"p-{uuid.uuid4().hex[:8]}") as store:
+def s3_store(s3_server: S3Server, _stores_bucket: str) -> Iterator[S3Store]:
+    """A store under a new prefix of its own, in a bucket every test's `s3_store` shares: SeaweedFS takes
+    ~0.2 s for the first write to a new bucket (a collection and its volumes), nothing for a new prefix.
+    What the test left under its prefix is deleted afterwards."""
+    prefix = f"p-{uuid.uuid4().hex[:8]}"
+    with s3_server.store(_stores_bucket, prefix) as store:
         yield store
+    with contextlib.suppress(Exception):  # a test may have stopped its server on purpose
+        _empty(s3_server.client(), _stores_bucket, prefix + "/")
 
 
 @pytest.fixture

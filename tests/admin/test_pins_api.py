@@ -30,8 +30,8 @@ NS = Namespace(
 
 
 @pytest.fixture
-def node(s3_server: Any, s3_store: Any, open_test_node: Callable[..., Node]) -> Node:
-    return open_test_node(s3_server, f"s3://{s3_store.bucket}", cache_bytes=10 << 20, admin_token="s3cret")
+def node(s3_server: Any, s3_bucket: str, open_test_node: Callable[..., Node]) -> Node:
+    return open_test_node(s3_server, f"s3://{s3_bucket}", cache_bytes=10 << 20, admin_token="s3cret")
 
 
 @pytest.fixture
