@@ -21,10 +21,14 @@ from kvstore.stores.embedded import SeaweedServer, ensure_embedded_server, find_
 pytestmark = pytest.mark.integration
 
 
-def litter() -> set[Path]:
-    """What weed would leave in /tmp: local gRPC sockets and glog files."""
+def litter(*servers: SeaweedServer) -> set[Path]:
+    """What weed would leave in /tmp: glog files, and the local gRPC sockets on these servers' ports (other
+    servers may run on the machine meanwhile, another test's or a benchmark's, with sockets of their own)."""
     tmp = Path("/tmp")
-    return set(tmp.glob("seaweedfs-*.sock")) | set(tmp.glob("weed.*"))
+    sockets = {
+        path for s in servers for port in s.ports.values() for path in tmp.glob(f"seaweedfs-*-{port}.sock")
+    }
+    return sockets | set(tmp.glob("weed.*"))
 
 
 def test_credentials_persist_with_0600_and_are_reused(tmp_path: Path) -> None:
@@ -58,7 +62,8 @@ def test_credentials_persist_with_0600_and_are_reused(tmp_path: Path) -> None:
             assert store.get("k") == b"persisted"
     finally:
         again.stop()
-    assert litter() <= before  # its sockets and logs went with it (the log is weed.log in the data dir)
+    # Its sockets and logs went with it (the log is weed.log in the data dir).
+    assert litter(server, again) <= before
 
 
 def test_a_running_embedded_server_is_shared_not_started_twice(tmp_path: Path) -> None:
