@@ -1,5 +1,5 @@
-"""kvstore: an object-storage-first KV-cache service for vLLM (see README.md and kvstore.stores, .cache, .engine,
-.agent; the vLLM side is kvstore.connector, the service and CLI kvstore.admin)."""
+"""kvstore: an object-storage-first KV-cache service for vLLM (see README.md and kvstore.stores, .cache,
+.engine, .agent; the vLLM side is kvstore.connector, the service and CLI kvstore.admin)."""
 
 import pkgutil
 

@@ -342,10 +342,12 @@ def test_every_vllm_kvstore_metric_reports_what_happened(
         nvme = ("nvme",)
         seen = stats_until(
             tier,
-            lambda d: d.get(READ_BYTES, {}).get(nvme)
-            and d.get(NVME_USED)
-            and d.get(NVME_BUDGET)
-            and d.get(CHECKSUM_FAILURES),
+            lambda d: (
+                d.get(READ_BYTES, {}).get(nvme)
+                and d.get(NVME_USED)
+                and d.get(NVME_BUDGET)
+                and d.get(CHECKSUM_FAILURES)
+            ),
         )
         assert seen[QUERIES][nvme] >= 1 and seen[HITS][nvme] >= 1
         assert seen[READ_BYTES][nvme] == CHUNK and seen[WRITE_BYTES][nvme] >= 2 * CHUNK
