@@ -7,7 +7,12 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
+pytestmark = pytest.mark.slow
 
 
 def test_every_package_folder_is_listed_under_its_import_name() -> None:

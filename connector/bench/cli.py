@@ -278,8 +278,8 @@ def bench_multiturn(
     conversations: Annotated[str, typer.Option(help="Conversation counts to sweep, comma-separated")] = (
         "2,4,8,16,32"
     ),
-    methods: Annotated[str, typer.Option(help="Methods: none, cpu, cpu+fs, cpu+ours")] = (
-        "none,cpu,cpu+fs,cpu+ours"
+    methods: Annotated[str, typer.Option(help="Methods: none, cpu, cpu+fs, cpu+ours (S3), cpu+ours-file")] = (
+        "none,cpu,cpu+fs,cpu+ours,cpu+ours-file"
     ),
     model: Annotated[Path | None, typer.Option(help="Model directory (default: the tiny model)")] = None,
     quick: Annotated[bool, typer.Option(help="Two points (4 and 16 conversations): a few minutes")] = False,

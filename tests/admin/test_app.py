@@ -18,6 +18,8 @@ from kvstore.pins import create_pin, delete_pin
 from kvstore.runtime import Node
 from tests.helpers import wait_for
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def node(private_s3_server: Any, private_s3_store: Any, open_test_node: Callable[..., Node]) -> Node:

@@ -22,6 +22,9 @@ from tests.helpers import cli_env, free_port, listed_older_than
 KVSTORE = [sys.executable, "-m", "kvstore.admin.cli"]
 
 
+pytestmark = pytest.mark.slow
+
+
 def test_serve_starts_the_embedded_s3_server_and_stops_it(tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(

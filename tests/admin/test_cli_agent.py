@@ -17,6 +17,9 @@ from tests.helpers import cli_env, wait_for
 KVSTORE = [sys.executable, "-m", "kvstore.admin.cli"]
 
 
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
     return cli_env(

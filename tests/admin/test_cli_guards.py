@@ -20,6 +20,9 @@ from tests.helpers import cli_env, free_port
 KVSTORE = [sys.executable, "-m", "kvstore.admin.cli"]
 
 
+pytestmark = pytest.mark.slow
+
+
 def _run(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*KVSTORE, *args], env=env, capture_output=True, text=True, timeout=timeout)
 

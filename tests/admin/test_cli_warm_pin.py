@@ -19,7 +19,7 @@ from kvstore.prompts import tokens_from_prompt
 from tests.admin.vllm_standin import VLLMStandIn
 from tests.helpers import cli_env
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 KVSTORE = [sys.executable, "-m", "kvstore.admin.cli"]
 NS = Namespace(model_name="org/tiny", tokens_per_hash=16, dtype="bfloat16")

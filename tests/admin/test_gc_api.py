@@ -28,7 +28,7 @@ from kvstore.runtime import Node
 from kvstore.stores import ObjectStore
 from tests.helpers import ForwardingStore, cli_env, listed_older_than, wait_for, wait_job
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 KVSTORE = [sys.executable, "-m", "kvstore.admin.cli"]
 

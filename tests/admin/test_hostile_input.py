@@ -209,6 +209,7 @@ def race(n: int, call: Callable[[], int]) -> list[int]:
     return results
 
 
+@pytest.mark.slow
 def test_racing_deletes_of_one_pin_answer_exactly_one_204(client: TestClient) -> None:
     for round_ in range(5):
         made = post(client, "/v1/pins", {**BY_ID, "name": f"racy{round_}"})

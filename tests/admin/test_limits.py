@@ -20,7 +20,7 @@ from kvstore.keys import KVCacheGroup, Namespace
 from kvstore.layout import PIN_PREFIX
 from kvstore.runtime import Node
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 AUTH = {"Authorization": "Bearer s3cret"}
 NS = Namespace(

@@ -30,7 +30,7 @@ from kvstore.admin.app import create_app
 from kvstore.keys import KVCacheGroup, Namespace
 from kvstore.runtime import Node
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

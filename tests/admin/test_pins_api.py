@@ -29,6 +29,9 @@ NS = Namespace(
 )
 
 
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture
 def node(s3_server: Any, s3_bucket: str, open_test_node: Callable[..., Node]) -> Node:
     return open_test_node(s3_server, f"s3://{s3_bucket}", cache_bytes=10 << 20, admin_token="s3cret")

@@ -20,7 +20,7 @@ from kvstore.runtime import Node
 from tests.admin.vllm_standin import SECRET_ANSWER, VLLMStandIn
 from tests.helpers import wait_job
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 NS = Namespace(
     model_name="org/tiny", tokens_per_hash=16, dtype="bfloat16", kv_cache_groups=(KVCacheGroup(16, ("l0",)),)

@@ -326,6 +326,7 @@ def test_a_gpu_removal_leaves_the_storage_credit(instance: Instance) -> None:
     instance.wait_credit(prompt, NONE, "the clear applied")
 
 
+@pytest.mark.slow
 def test_gc_removals_the_router_drops(router: DynamoIndexer, instance: Instance) -> None:
     """GC's removals apply only with LOCAL locality and no ownership (`KVSTORE_OBJECT_LOCALITY=LOCAL` for
     the admin service, whose default is REMOTE)."""

@@ -36,6 +36,8 @@ from kvstore.errors import ConfigError
 from kvstore.events import OWNERSHIP
 from tests.connector.tier_jobs import CHUNK, REQ, data, job, okey, wait_jobs
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def make_tier(tmp_path: Path) -> Iterator[Callable[..., StandaloneTier]]:

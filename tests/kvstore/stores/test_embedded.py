@@ -18,7 +18,7 @@ from kvstore.errors import StoreAuthError
 from kvstore.stores import S3Store
 from kvstore.stores.embedded import SeaweedServer, ensure_embedded_server, find_weed_binary
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def litter(*servers: SeaweedServer) -> set[Path]:

@@ -263,6 +263,7 @@ def test_writes_lists_deletes_and_meta_stay_local(
     assert regional.url == local.url
 
 
+@pytest.mark.slow
 def test_remote_hit_is_served_and_copied_once(
     s3_server: S3Server, private_s3_server: S3Server, s3_bucket: str, local: S3Store, tmp_path: Path
 ) -> None:

@@ -165,6 +165,7 @@ def test_open_store_urls(tmp_path: os.PathLike[str]) -> None:
     assert local.get("k") == b"v"
 
 
+@pytest.mark.slow
 def test_outage_and_recovery(private_s3_server: S3Server) -> None:
     bucket = f"kvt-{uuid.uuid4().hex[:16]}"
     private_s3_server.client().make_bucket(bucket)  # the server and its data go away with the test

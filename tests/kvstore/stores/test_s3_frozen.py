@@ -19,7 +19,7 @@ from kvstore.stores import S3Store
 if TYPE_CHECKING:  # the root conftest is not importable by name under every pytest import mode
     from conftest import S3Server
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 DATA_PATH_BOUND_S = 10.0  # the data-path deadline is 5 s; it used to take 60-89 s
 CONTROL_PATH_BOUND_S = 20.0  # listings and bucket checks: about 11 s; they used to take 80 s
