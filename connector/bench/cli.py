@@ -16,6 +16,7 @@ from kvstore.admin.cli_common import (
     console,
     err,
     finite_seconds,
+    say,
     settings_or_exit,
     store_or_exit,
 )
@@ -23,6 +24,21 @@ from kvstore.admin.cli_common import (
 __all__ = ["bench_app"]
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that compare against a baseline in one run.")
+
+TierOptions = Annotated[str, typer.Option(help="More options for our tier's entry, a JSON object")]
+
+
+def tier_options_or_exit(text: str) -> dict[str, object]:
+    """`--tier-options` as a dict; exit 2 naming the option when it is not a JSON object."""
+    try:
+        options = json.loads(text)
+    except ValueError as exc:
+        say("bad --tier-options", exc)
+        raise typer.Exit(EXIT_CONFIG) from None
+    if not isinstance(options, dict):
+        say("bad --tier-options", f"{text!r} (a JSON object is needed)")
+        raise typer.Exit(EXIT_CONFIG)
+    return options
 
 
 @bench_app.command("gc")
@@ -292,6 +308,7 @@ def bench_multiturn(
     engine_kv_mib: Annotated[int, typer.Option(help="Engine KV cache (--kv-cache-memory-bytes), MiB")] = 32,
     cpu_mib: Annotated[int, typer.Option(help="CPU tier (cpu_bytes_to_use), MiB")] = 64,
     batched_tokens: Annotated[int, typer.Option(help="--max-num-batched-tokens")] = 2048,
+    tier_options: TierOptions = "{}",
 ) -> None:
     """Multi-turn chat throughput through a real vLLM OpenAI server: no offloading vs CPU tier vs CPU + vLLM's
     fs tier vs CPU + our tier, swept over the number of concurrent conversations (table, JSON, PNG)."""
@@ -315,6 +332,7 @@ def bench_multiturn(
     except ValueError:
         err.print(f"[red]bad --conversations:[/red] {conversations}")
         raise typer.Exit(EXIT_CONFIG) from None
+    options = tier_options_or_exit(tier_options)
     workload = Workload(0, context_tokens, turn_tokens, turns, output_tokens, concurrency)
     longest = context_tokens + (turns - 1) * (turn_tokens + output_tokens + 32) + output_tokens + 64
     settings = settings_or_exit()
@@ -349,6 +367,7 @@ def bench_multiturn(
                     sizing=sizing,
                     methods=method_list,
                     store=target,
+                    tier_options=options,
                     progress=lambda msg: console.print(f"[dim]... {msg}[/dim]"),
                     on_turn=lambda _record: bar.advance(task),
                     on_point_start=start_point,
@@ -415,7 +434,7 @@ def bench_multiturn(
         "storage hit rate: of the tokens sent before that neither the engine nor the CPU tier still held)."
     )
     for row in report.ratios():
-        parts = [f"{row['conversations']} conversations: ours"]
+        parts = [f"{row['conversations']} conversations: {row['method']}"]
         for base in ("none", "cpu+fs"):
             if row[f"vs_{base}"] is not None:
                 parts.append(f"{row[f'vs_{base}']:.2f}x {base}")
@@ -446,9 +465,7 @@ def bench_fleet(
     pin_nodes: Annotated[
         bool, typer.Option(help="Give each node's server its own half of the CPUs, as nodes have their own")
     ] = True,
-    tier_options: Annotated[
-        str, typer.Option(help="More options for our tier's entry, a JSON object")
-    ] = "{}",
+    tier_options: TierOptions = "{}",
 ) -> None:
     """Two vLLM servers standing for two nodes, one bucket, conversations whose turns land on either:
     round-robin with vLLM's fs tier per node, round-robin with ours, and cache-aware routing with ours
@@ -457,7 +474,6 @@ def bench_fleet(
 
     from rich.progress import Progress
 
-    from kvstore.admin.cli_common import say
     from kvstore.connector.bench.fleet import DESCRIPTIONS, METHODS, run_fleet, write_outputs
     from kvstore.connector.bench.multiturn import Sizing, model_kv_bytes_per_token
     from kvstore.connector.bench.target import bench_target
@@ -492,14 +508,7 @@ def bench_fleet(
     if not nvme_gib > 0 or nvme_gib == float("inf"):
         say("bad --nvme-gib", f"{nvme_gib} (must be a positive number)")
         raise typer.Exit(EXIT_CONFIG)
-    try:
-        options = json.loads(tier_options)
-    except ValueError as exc:
-        say("bad --tier-options", exc)
-        raise typer.Exit(EXIT_CONFIG) from None
-    if not isinstance(options, dict):
-        say("bad --tier-options", f"{tier_options!r} (a JSON object is needed)")
-        raise typer.Exit(EXIT_CONFIG)
+    options = tier_options_or_exit(tier_options)
     workload = Workload(conversations, context_tokens, turn_tokens, turns, output_tokens, concurrency)
     longest = context_tokens + (turns - 1) * (turn_tokens + output_tokens + 32) + output_tokens + 64
     settings = settings_or_exit()

@@ -135,6 +135,7 @@ class MultiturnReport:
     cpu_conversations: float  # ... and the CPU tier
     points: list[Point] = field(default_factory=list)
     elapsed_s: float = 0.0
+    tier_options: dict[str, Any] = field(default_factory=dict)  # added to our tier's entry
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -183,6 +184,7 @@ def run_multiturn(
     sizing: Sizing,
     methods: Sequence[str] = METHODS,
     store: StoreTarget | None = None,
+    tier_options: dict[str, Any] | None = None,
     workdir: Path | None = None,
     progress: Callable[[str], None] = print,
     on_turn: Callable[[TurnRecord], None] | None = None,
@@ -190,7 +192,8 @@ def run_multiturn(
 ) -> MultiturnReport:
     """The sweep. `workload.conversations` is replaced by each entry of `conversations`.
 
-    `on_point_start(method, conversations, requests)` runs before each point (a progress bar's reset)."""
+    `on_point_start(method, conversations, requests)` runs before each point (a progress bar's reset);
+    `tier_options` are added to our tier's `secondary_tiers` entry (e.g. `gil_switch_interval_s`)."""
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
@@ -202,13 +205,14 @@ def run_multiturn(
         conversation_tokens=0,
         engine_conversations=0.0,
         cpu_conversations=0.0,
+        tier_options=dict(tier_options or {}),
     )
     _set_footprint(report, conversation_tokens(workload), sizing)
     began = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="kvstore-bench-multiturn-", dir=workdir))
     try:
         for method in methods:
-            config, env = _method_config(method, sizing, store, root)
+            config, env = _method_config(method, sizing, store, root, report.tier_options)
             progress(f"{method}: starting a fresh vLLM server")
             with vllm_server(
                 model_dir,
@@ -261,7 +265,7 @@ def _warmup(workload: Workload) -> Workload:
 
 
 def _method_config(
-    method: str, sizing: Sizing, store: StoreTarget | None, root: Path
+    method: str, sizing: Sizing, store: StoreTarget | None, root: Path, tier_options: dict[str, Any]
 ) -> tuple[dict[str, Any] | None, dict[str, str]]:
     if method == "none":
         return None, {}
@@ -273,6 +277,7 @@ def _method_config(
         "type": "KVStoreTier",
         "module_path": "kvstore.connector.tier",
         "cache_dir": str(_cache_dir(root, method)),
+        **tier_options,
     }
     if method == "cpu+ours-file":
         return sizing.tiering_config({**ours, "store_url": (root / "file-store").as_uri()}), {}
