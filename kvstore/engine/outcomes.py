@@ -31,7 +31,6 @@ from kvstore.engine.answers import AnswerCache, Presence
 from kvstore.engine.bad_chunks import nvme_copy_corrupt, object_not_usable
 from kvstore.engine.breaker import Breaker
 from kvstore.engine.io import Fetched
-from kvstore.errors import CacheError
 from kvstore.metrics import EngineMetrics
 from kvstore.stores import ObjectStore
 
@@ -87,17 +86,6 @@ class Outcomes:
         return out
 
     # -- what the probe found ----------------------------------------------------------------------------
-
-    def found_on_nvme(self, key: str) -> bool:
-        """Ask the index now whether ``key`` is on this node (recorded when it is); False when the index
-        cannot say (the probe asks again)."""
-        try:
-            here = self.cache.contains_many((key,))[0]
-        except CacheError:
-            return False
-        if here:
-            self._answers.set(key, Presence.LOCAL)
-        return here
 
     def on_nvme(self, keys: Sequence[str]) -> None:
         for key in keys:

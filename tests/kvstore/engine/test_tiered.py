@@ -20,6 +20,7 @@ from kvstore.chunk import HEADER_BLOCK, Codec, encode, encode_legacy, parse_head
 from kvstore.engine import EngineThreads, Presence, TieredStore
 from kvstore.metrics import EngineMetrics
 from kvstore.stores import MemoryStore, ObjectStore
+from kvstore.stores.base import Buffer
 from tests.cache_helpers import locate, read_chunk, read_status
 from tests.engine_helpers import CHUNK, fill, keys, load, payload
 from tests.helpers import FakeClock, sample, wait_for
@@ -576,13 +577,32 @@ def test_an_eviction_says_whether_it_took_the_last_copy(
     assert removed == {**dict.fromkeys(first, False), **dict.fromkeys(second, True)}
 
 
-def test_a_chunk_on_this_node_is_a_hit_at_the_first_lookup(
+def test_lookups_read_the_answers_only_and_the_probe_reads_the_index(
     cache: NVMeCache, metrics: EngineMetrics, make_engine: MakeEngine
 ) -> None:
-    """One index read, not a RETRY and a probe a scheduler step later: the scheduler asks again about every
-    RETRY key on every step, so each one costs a step of latency and a storm of lookups."""
+    """The scheduler's lookups never read the index: py-lmdb lets go of the GIL around each read, and the
+    scheduler thread then waits behind whichever thread takes it. The engine that stored a chunk knows it at
+    once; another engine on the node answers PENDING, and its probe finds the chunk in the index without
+    asking the store."""
     names = keys(3, "first-lookup")
-    make_engine(None, cache, metrics).store_many([(k, payload(i)) for i, k in enumerate(names[:2])])
-    other = make_engine(MemoryStore(), cache, EngineMetrics(CollectorRegistry()))  # knows nothing yet
-    assert [other.lookup_cached(k) for k in names] == [Presence.LOCAL, Presence.LOCAL, Presence.PENDING]
-    assert other.probes_in_flight == 0
+    writer = make_engine(None, cache, metrics)
+    writer.store_many([(k, payload(i)) for i, k in enumerate(names[:2])])
+    assert [writer.lookup_cached(k) for k in names[:2]] == [Presence.LOCAL, Presence.LOCAL]
+
+    asked: list[str] = []
+
+    class WatchedStore(MemoryStore):
+        def get_chunk(self, key: str) -> Buffer | None:
+            asked.append(key)
+            return super().get_chunk(key)
+
+        def exists_many(self, keys: Sequence[str]) -> list[bool]:
+            asked.extend(keys)
+            return super().exists_many(keys)
+
+    other = make_engine(WatchedStore(), cache, EngineMetrics(CollectorRegistry()))  # knows nothing yet
+    assert [other.lookup_cached(k) for k in names] == [Presence.PENDING] * 3
+    other.probe_prefixes([names])
+    answers = [Presence.LOCAL, Presence.LOCAL, Presence.MISS]
+    wait_for(lambda: [other.lookup_cached(k) for k in names] == answers)
+    assert asked == [names[2]]  # the one chunk the node does not hold
