@@ -136,7 +136,9 @@ def test_restart_and_fleet_sharing(
     # Idle past the TTL: whatever was last used by the cold run. Within it: the later runs' loads, which only
     # their access records tell GC about (the objects were written by the cold run).
     ttl = now - stored_by - 5
-    assert ttl > 30, "the later runs took no time at all?"
+    # The later runs start engines (seconds each): GC tells their loads from the cold run's stores only by
+    # that gap. One engine start fewer brought it near 30 s on a quiet machine, so the floor is 10 s.
+    assert ttl > 10, "the later runs took no time at all?"
     report = run_gc(s3_store, ttl_seconds=ttl, grace_seconds=0, now=now)
     left = set(chunk_objects(s3_store))
     assert used <= left, f"GC deleted {len(used - left)} chunks the tiers had just used"
