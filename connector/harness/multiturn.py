@@ -21,17 +21,34 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import httpx
 
 from kvstore.connector.harness.tiny_model import sample_text
 
-__all__ = ["TurnRecord", "Workload", "replay"]
+__all__ = [
+    "Clock",
+    "History",
+    "SendTurn",
+    "TurnRecord",
+    "Workload",
+    "chat_turn",
+    "client_for",
+    "conversation_scripts",
+    "converse",
+    "replay",
+]
 
 _TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+
+T = TypeVar("T")
+History = list[dict[str, str]]  # a conversation's history, as the chat API takes it
+Clock = Callable[[], float]
+# Sends one turn: (conversation, turn, history, clock) -> (the answer, what the caller keeps of the turn).
+SendTurn = Callable[[int, int, History, Clock], Awaitable[tuple[str, T]]]
 
 
 @dataclass(frozen=True)
@@ -63,40 +80,60 @@ async def replay(
     on_turn: Callable[[TurnRecord], None] | None = None,
 ) -> list[TurnRecord]:
     """Run every conversation of `workload` against `server_url`; records in completion order."""
+    async with client_for(server_url, workload) as client:
+        scripts = await conversation_scripts(client, model, workload)
+
+        async def send(
+            conversation: int, turn: int, messages: History, elapsed: Clock
+        ) -> tuple[str, TurnRecord]:
+            answer, record = await chat_turn(client, model, messages, workload, conversation, turn)
+            return answer, replace(record, finished_s=elapsed())
+
+        return await converse(scripts, workload.concurrency, send, on_turn)
+
+
+async def converse(
+    scripts: Sequence[Sequence[str]],
+    concurrency: int,
+    send: SendTurn[T],
+    on_turn: Callable[[T], None] | None = None,
+) -> list[T]:
+    """The replay loop: every conversation of `scripts` at once, at most `concurrency` turns in flight (FIFO).
+    A turn appends its user message to its conversation's history, waits for a slot, and `send`s the history
+    with a clock (seconds since the loop began), which answers with the assistant's text, appended next, and
+    what the caller keeps of the turn. What `send` kept, in completion order."""
+    slots = asyncio.Semaphore(concurrency)
+    kept: list[T] = []
+    began = time.perf_counter()
+
+    def elapsed() -> float:
+        return time.perf_counter() - began
+
+    async def one(conversation: int) -> None:
+        messages: History = []
+        for turn, user_text in enumerate(scripts[conversation]):
+            messages.append({"role": "user", "content": user_text})
+            async with slots:
+                answer, sent = await send(conversation, turn, messages, elapsed)
+            messages.append({"role": "assistant", "content": answer})
+            kept.append(sent)
+            if on_turn is not None:
+                on_turn(sent)
+
+    await asyncio.gather(*(one(c) for c in range(len(scripts))))
+    return kept
+
+
+def client_for(server_url: str, workload: Workload) -> httpx.AsyncClient:
+    """A client for one server, with a connection for every request in flight and a few to spare."""
     limits = httpx.Limits(max_connections=workload.concurrency + 4)
-    async with httpx.AsyncClient(base_url=server_url, timeout=_TIMEOUT, limits=limits) as client:
-        texts = _Texts(client, model)
-        scripts = [await _script(texts, workload, c) for c in range(workload.conversations)]
-        slots = asyncio.Semaphore(workload.concurrency)
-        records: list[TurnRecord] = []
-        began = time.perf_counter()
-
-        async def converse(conversation: int) -> None:
-            messages: list[dict[str, str]] = []
-            for turn, user_text in enumerate(scripts[conversation]):
-                messages.append({"role": "user", "content": user_text})
-                async with slots:
-                    answer, record = await _chat_turn(client, model, messages, workload, conversation, turn)
-                record = _finished(record, time.perf_counter() - began)
-                messages.append({"role": "assistant", "content": answer})
-                records.append(record)
-                if on_turn is not None:
-                    on_turn(record)
-
-        await asyncio.gather(*(converse(c) for c in range(workload.conversations)))
-        return records
+    return httpx.AsyncClient(base_url=server_url, timeout=_TIMEOUT, limits=limits)
 
 
-def _finished(record: TurnRecord, finished_s: float) -> TurnRecord:
-    return TurnRecord(
-        record.conversation,
-        record.turn,
-        record.prompt_tokens,
-        record.cached_tokens,
-        record.ttft_s,
-        record.latency_s,
-        finished_s,
-    )
+async def conversation_scripts(client: httpx.AsyncClient, model: str, workload: Workload) -> list[list[str]]:
+    """Every conversation's user messages, sized by the tokenizer of the server `client` talks to."""
+    texts = _Texts(client, model)
+    return [await _script(texts, workload, c) for c in range(workload.conversations)]
 
 
 async def _script(texts: _Texts, workload: Workload, conversation: int) -> list[str]:
@@ -130,7 +167,7 @@ class _Texts:
         return result
 
 
-async def _chat_turn(
+async def chat_turn(
     client: httpx.AsyncClient,
     model: str,
     messages: list[dict[str, str]],

@@ -18,7 +18,6 @@ first token; `RoutedTurn.route_s` keeps the routing part.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import time
@@ -29,7 +28,16 @@ from typing import Protocol
 
 import httpx
 
-from kvstore.connector.harness.multiturn import TurnRecord, Workload, _chat_turn, _script, _Texts
+from kvstore.connector.harness.multiturn import (
+    Clock,
+    History,
+    TurnRecord,
+    Workload,
+    chat_turn,
+    client_for,
+    conversation_scripts,
+    converse,
+)
 from kvstore.connector.harness.router import Credit, DynamoIndexer
 
 __all__ = [
@@ -193,43 +201,29 @@ async def replay_routed(
 ) -> list[RoutedTurn]:
     """Run every conversation of `workload`, each turn on the server `router` picks; turns in completion
     order. Texts are sized by the first server's tokenizer before the first request."""
-    limits = httpx.Limits(max_connections=workload.concurrency + 4)
     async with contextlib.AsyncExitStack() as stack:
-        clients = [
-            await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=_TIMEOUT, limits=limits))
-            for url in server_urls
-        ]
-        texts = _Texts(clients[0], model)
-        scripts = [await _script(texts, workload, c) for c in range(workload.conversations)]
-        slots = asyncio.Semaphore(workload.concurrency)
-        turns: list[RoutedTurn] = []
-        began = time.perf_counter()
+        clients = [await stack.enter_async_context(client_for(url, workload)) for url in server_urls]
+        scripts = await conversation_scripts(clients[0], model, workload)
 
-        async def converse(conversation: int) -> None:
-            messages: list[dict[str, str]] = []
-            for turn, user_text in enumerate(scripts[conversation]):
-                messages.append({"role": "user", "content": user_text})
-                async with slots:
-                    start = time.perf_counter()
-                    route = await router.choose(conversation, turn, messages, clients)
-                    route_s = time.perf_counter() - start
-                    answer, record = await _chat_turn(
-                        clients[route.server], model, messages, workload, conversation, turn
-                    )
-                record = replace(
-                    record,
-                    ttft_s=record.ttft_s + route_s,
-                    latency_s=record.latency_s + route_s,
-                    finished_s=time.perf_counter() - began,
-                )
-                messages.append({"role": "assistant", "content": answer})
-                routed = RoutedTurn(record, route.server, route_s, route)
-                turns.append(routed)
-                if on_turn is not None:
-                    on_turn(routed)
+        async def send(
+            conversation: int, turn: int, messages: History, elapsed: Clock
+        ) -> tuple[str, RoutedTurn]:
+            # Routed once the turn holds a slot, as a router dispatches it; the client waits for both.
+            start = time.perf_counter()
+            route = await router.choose(conversation, turn, messages, clients)
+            route_s = time.perf_counter() - start
+            answer, record = await chat_turn(
+                clients[route.server], model, messages, workload, conversation, turn
+            )
+            record = replace(
+                record,
+                ttft_s=record.ttft_s + route_s,
+                latency_s=record.latency_s + route_s,
+                finished_s=elapsed(),
+            )
+            return answer, RoutedTurn(record, route.server, route_s, route)
 
         try:
-            await asyncio.gather(*(converse(c) for c in range(workload.conversations)))
+            return await converse(scripts, workload.concurrency, send, on_turn)
         finally:
             await router.aclose()
-        return turns
