@@ -1,0 +1,73 @@
+"""The node's change log: what happened to chunks on this node, in order, for every engine to read.
+
+``changes``  8-byte big-endian sequence number -> kind byte (high bit set: the chunk had not reached the
+             object store) + key. Every transaction that evicts, removes or finishes uploading a chunk
+             appends to it, so each engine on the node learns what the others (and the node agent) did to
+             the chunks it announced, and turns that into KV events.
+``meta``     ``changes_next`` (``<Q``): the sequence number the next change gets.
+
+These functions work inside the index's transactions (``index.py`` opens them), so a change is logged by
+the very transaction that makes it: a process killed between the two cannot leave a gap.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import TypeAlias
+
+import lmdb
+
+from kvstore.cache.lmdb_env import Shared
+from kvstore.cache.records import Change, ChangeKind
+
+_U64 = struct.Struct("<Q")
+_SEQ = struct.Struct(">Q")  # big-endian so LMDB's byte order is sequence order
+_NEXT_KEY = b"changes_next"
+_NOT_UPLOADED = 0x80  # in a change's kind byte: the chunk had not reached the object store
+
+Txn: TypeAlias = "lmdb.Transaction[bytes]"  # generic for type checkers only
+
+
+def append(txn: Txn, s: Shared, kind: ChangeKind, items: Sequence[tuple[bytes, bool]]) -> None:
+    """Append (key, whether the bucket had it) changes of one kind."""
+    if not items:
+        return
+    seq = next_seq(txn, s)
+    for k, uploaded in items:
+        tag = bytes((kind | (0 if uploaded else _NOT_UPLOADED),))
+        txn.put(_SEQ.pack(seq), tag + k, db=s.changes)
+        seq += 1
+    txn.put(_NEXT_KEY, _U64.pack(seq), db=s.meta)
+
+
+def next_seq(txn: Txn, s: Shared) -> int:
+    """The sequence number the next change will get."""
+    raw = txn.get(_NEXT_KEY, db=s.meta)
+    return 1 if raw is None else int(_U64.unpack(raw)[0])
+
+
+def since(txn: Txn, s: Shared, seq: int, limit: int) -> list[Change]:
+    """Up to ``limit`` changes numbered ``seq`` or later, oldest first."""
+    out: list[Change] = []
+    cursor = txn.cursor(db=s.changes)
+    if not cursor.set_range(_SEQ.pack(max(0, seq))):
+        return out
+    for record, value in cursor:
+        kind, key = ChangeKind(value[0] & ~_NOT_UPLOADED), bytes(value[1:]).decode()
+        out.append(Change(_SEQ.unpack(record)[0], kind, key, uploaded=not value[0] & _NOT_UPLOADED))
+        if len(out) >= limit:
+            break
+    return out
+
+
+def trim(txn: Txn, s: Shared, keep: int) -> int:
+    """Drop all but the newest ``keep`` changes; how many went."""
+    first_kept = next_seq(txn, s) - keep
+    dropped = 0
+    cursor = txn.cursor(db=s.changes)
+    if cursor.first():
+        while cursor.key() and _SEQ.unpack(cursor.key())[0] < first_kept:
+            cursor.delete()  # moves to the next record (an empty key past the last)
+            dropped += 1
+    return dropped
