@@ -8,6 +8,12 @@
 
 These functions work inside the index's transactions (``index.py`` opens them), so a change is logged by
 the very transaction that makes it: a process killed between the two cannot leave a gap.
+
+The log is bounded whoever runs: a transaction that appends past ``MAX_CHANGES`` drops as many of the oldest
+changes as it adds (a few more while the log is over its bound), so the engines' own commits keep it in
+bounds while no node agent trims it, at a cost proportional to what they append. Trimming drops at most
+``TRIM_SLICE`` changes per transaction: LMDB lets one writer in at a time, and an engine's store waits for the
+lock behind whatever a trim does in one go (809k rows in one transaction once stalled stores for 666 ms).
 """
 
 from __future__ import annotations
@@ -25,12 +31,17 @@ _U64 = struct.Struct("<Q")
 _SEQ = struct.Struct(">Q")  # big-endian so LMDB's byte order is sequence order
 _NEXT_KEY = b"changes_next"
 _NOT_UPLOADED = 0x80  # in a change's kind byte: the chunk had not reached the object store
+MAX_CHANGES = 200_000  # about 30 MB of index; an engine reads the log every fraction of a second
+TRIM_SLICE = 2_000  # changes one trimming transaction drops at most (a few ms)
+_CATCH_UP = 64  # dropped per append beyond what it adds, while a log is over its bound
 
 Txn: TypeAlias = "lmdb.Transaction[bytes]"  # generic for type checkers only
 
 
-def append(txn: Txn, s: Shared, kind: ChangeKind, items: Sequence[tuple[bytes, bool]]) -> None:
-    """Append (key, whether the bucket had it) changes of one kind."""
+def append(
+    txn: Txn, s: Shared, kind: ChangeKind, items: Sequence[tuple[bytes, bool]], bound: int = MAX_CHANGES
+) -> None:
+    """Append (key, whether the bucket had it) changes of one kind; the oldest go past ``bound``."""
     if not items:
         return
     seq = next_seq(txn, s)
@@ -39,6 +50,9 @@ def append(txn: Txn, s: Shared, kind: ChangeKind, items: Sequence[tuple[bytes, b
         txn.put(_SEQ.pack(seq), tag + k, db=s.changes)
         seq += 1
     txn.put(_NEXT_KEY, _U64.pack(seq), db=s.meta)
+    excess = int(txn.stat(s.changes)["entries"]) - bound
+    if excess > 0:
+        _drop_oldest(txn, s, seq, min(excess, len(items) + _CATCH_UP))
 
 
 def next_seq(txn: Txn, s: Shared) -> int:
@@ -61,13 +75,17 @@ def since(txn: Txn, s: Shared, seq: int, limit: int) -> list[Change]:
     return out
 
 
-def trim(txn: Txn, s: Shared, keep: int) -> int:
-    """Drop all but the newest ``keep`` changes; how many went."""
-    first_kept = next_seq(txn, s) - keep
+def trim(txn: Txn, s: Shared, keep: int, max_rows: int = TRIM_SLICE) -> int:
+    """Drop the oldest changes but the newest ``keep``, at most ``max_rows`` of them; how many went."""
+    return _drop_oldest(txn, s, next_seq(txn, s) - keep, max_rows)
+
+
+def _drop_oldest(txn: Txn, s: Shared, first_kept: int, max_rows: int) -> int:
+    """Drop changes numbered below ``first_kept``, oldest first, at most ``max_rows``."""
     dropped = 0
     cursor = txn.cursor(db=s.changes)
     if cursor.first():
-        while cursor.key() and _SEQ.unpack(cursor.key())[0] < first_kept:
+        while dropped < max_rows and cursor.key() and _SEQ.unpack(cursor.key())[0] < first_kept:
             cursor.delete()  # moves to the next record (an empty key past the last)
             dropped += 1
     return dropped

@@ -1,5 +1,5 @@
-"""The LMDB index of the NVMe cache: entries, LRU order, pins, the upload journal, counters. The single
-source of truth.
+"""The LMDB index of the NVMe cache: entries, LRU order, pins and counters, and the transactions that change
+them. The single source of truth.
 
 Every process on a node that shares a cache directory opens the same LMDB environment in ``<dir>/index/``;
 LMDB serialises write transactions across processes and gives readers consistent snapshots without locks.
@@ -14,20 +14,14 @@ Sub-databases (keys are the chunk key's UTF-8 bytes unless stated):
              no LRU record, so eviction walks from the oldest record and never has to skip pinned ones.
 ``pins``     key -> ``<Q`` pin count. Counts exist for keys not (yet) cached, so a pinned prompt admitted
              later is never evicted. Pins persist: they are node-wide state, not per-process leases.
-``uploads``  8-byte big-endian queued ns + key -> ``<Q`` not-before ns: the upload journal, oldest first.
-             The NVMe copy is the only copy of such a chunk until an uploader PUTs it; an uploader claims a
-             batch by moving its not-before time past a lease, so the node's processes share the work and a
-             crashed uploader's claims expire. A failed PUT moves it to the retry time.
+``uploads``  the upload journal (``journal.py``): what waits for upload, oldest first, and who holds it.
 ``counters`` name -> ``<Q``: node-wide figures (lookups, hits, bytes per tier...) that every process on the
              node adds its own to, so a tool sees the node's traffic, not its own (``add_counters``).
-``changes``  8-byte big-endian sequence number -> kind byte (high bit set: the chunk had not reached the
-             object store) + key: the node's change log. Every transaction
-             that evicts, removes or finishes uploading a chunk appends to it, so each engine on the node
-             learns what the others (and the node agent) did to the chunks it announced, and turns that into
-             KV events (``changes_since``). The agent trims it (``trim_changes``).
-``meta``     ``schema_version`` (``<Q``, currently 2) and ``<Q`` counters kept in step with ``entries`` and
-             ``uploads`` inside every write transaction: ``used_bytes``, ``entries``, ``upload_bytes``,
-             ``upload_entries``; ``changes_next``, the change log's next sequence number.
+``changes``  the node's change log (``changelog.py``): every transaction that evicts, removes or finishes
+             uploading a chunk appends to it, and each engine turns it into KV events.
+``meta``     ``schema_version`` (``<Q``, currently 2) and ``<Q`` counters kept in step with ``entries``
+             inside every write transaction: ``used_bytes``, ``entries`` (and the journal's and the change
+             log's own, documented with them).
 
 Opening the environment (once per process, its schema and data file checked) is ``lmdb_env.py``'s job; the
 values stored and returned are in ``records.py``.
@@ -43,6 +37,7 @@ from dataclasses import replace
 
 import lmdb
 
+from kvstore.cache import changelog, journal
 from kvstore.cache.lmdb_env import DEFAULT_MAP_SIZE, INDEX_DIR, Shared, acquire, release, translate
 from kvstore.cache.records import Admission, Backlog, Change, ChangeKind, Entry, Eviction, encode_key
 from kvstore.errors import CacheClosed
@@ -55,10 +50,6 @@ _U64 = struct.Struct("<Q")
 _TS = struct.Struct(">Q")  # big-endian so LMDB's byte order is time order
 _USED_KEY = b"used_bytes"
 _COUNT_KEY = b"entries"
-_UPLOAD_BYTES_KEY = b"upload_bytes"
-_UPLOAD_COUNT_KEY = b"upload_entries"
-_CHANGES_NEXT_KEY = b"changes_next"
-_NOT_UPLOADED = 0x80  # in a change's kind byte: the chunk had not reached the object store
 
 
 def _lru_key(ts: int, key: bytes) -> bytes:
@@ -76,8 +67,11 @@ class CacheIndex:
         map_size: int = DEFAULT_MAP_SIZE,
         max_readers: int = 512,
         sync: bool = True,
+        change_log_max: int = changelog.MAX_CHANGES,
     ) -> None:
+        """``change_log_max``: the most changes the log holds (the oldest go first)."""
         self.path = os.path.realpath(os.path.join(directory, INDEX_DIR))
+        self._change_log_max = change_log_max
         self._shared: Shared | None = acquire(self.path, map_size, max_readers, sync)
 
     def _db(self) -> Shared:
@@ -211,8 +205,7 @@ class CacheIndex:
         if txn.get(k, db=s.pins) is None:
             txn.put(_lru_key(entry.last_access_ns, k), b"", db=s.lru)
         if entry.pending_upload:
-            txn.put(_TS.pack(entry.queued_ns) + k, _U64.pack(0), db=s.uploads)
-            self._add_upload_counters(txn, s, entry.size, 1)
+            journal.queue(txn, s, k, entry)
         self._set_counters(txn, s, used + entry.size, count + 1)
         return Admission(True, tuple((vk.decode(), ve) for vk, ve in victims), frozenset(uploading))
 
@@ -225,7 +218,7 @@ class CacheIndex:
         for vk, ve in victims:
             txn.delete(vk, db=s.entries)
             txn.delete(_lru_key(ve.last_access_ns, vk), db=s.lru)
-            if self._unqueue(txn, s, vk, ve) > now:
+            if journal.unqueue(txn, s, vk, ve) > now:
                 uploading.add(vk.decode())
         return uploading
 
@@ -246,19 +239,6 @@ class CacheIndex:
             self._set_counters(txn, s, max(0, used - freed), max(0, count - len(victims)))
             self._log(txn, s, ChangeKind.EVICTED, [(vk, not ve.pending_upload) for vk, ve in victims])
         return Eviction(tuple((vk.decode(), ve) for vk, ve in victims), frozenset(uploading))
-
-    def _unqueue(self, txn: lmdb.Transaction[bytes], s: Shared, k: bytes, entry: Entry) -> int:
-        """Drop `entry`'s upload record, if it has one (it is leaving, or has been uploaded); the record's
-        not-before time (in the future while an uploader holds it), 0 if there was none."""
-        if not entry.pending_upload:
-            return 0
-        record = _TS.pack(entry.queued_ns) + k
-        value = txn.get(record, db=s.uploads)
-        if value is None:
-            return 0
-        txn.delete(record, db=s.uploads)
-        self._add_upload_counters(txn, s, -entry.size, -1)
-        return int(_U64.unpack(value)[0])
 
     def _pick_victims(self, txn: lmdb.Transaction[bytes], s: Shared, need: int) -> list[tuple[bytes, Entry]]:
         """Least recently used first, but an entry still waiting for upload (its only copy) is passed over
@@ -344,7 +324,7 @@ class CacheIndex:
             return None
         txn.delete(k, db=s.entries)
         txn.delete(_lru_key(entry.last_access_ns, k), db=s.lru)
-        self._unqueue(txn, s, k, entry)
+        journal.unqueue(txn, s, k, entry)
         used, count = self._counters(txn, s)
         self._set_counters(txn, s, max(0, used - entry.size), max(0, count - 1))
         self._log(txn, s, ChangeKind.REMOVED, [(k, not entry.pending_upload)])
@@ -379,27 +359,8 @@ class CacheIndex:
         held by the caller until `now_ns + lease_ns`. One write transaction, so two processes never claim
         the same chunk while a lease lasts."""
         s = self._db()
-        claimed: list[tuple[str, Entry]] = []
-        until = _U64.pack(now_ns + lease_ns)
         with s.env.begin(write=True) as txn:
-            cursor = txn.cursor(db=s.uploads)
-            stale: list[bytes] = []
-            for record, value in cursor:
-                if len(claimed) >= limit:
-                    break
-                if _U64.unpack(value)[0] > now_ns:
-                    continue
-                k = record[8:]
-                raw = txn.get(k, db=s.entries)
-                entry = None if raw is None else Entry.unpack(raw)
-                if entry is None or _TS.pack(entry.queued_ns) != record[:8]:
-                    stale.append(record)  # self-healing: a record whose entry left or changed
-                    continue
-                txn.put(record, until, db=s.uploads)
-                claimed.append((k.decode(), entry))
-            for record in stale:
-                txn.delete(record, db=s.uploads)
-        return claimed
+            return journal.claim(txn, s, limit, now_ns, lease_ns)
 
     @translate
     def finish_uploads(
@@ -409,97 +370,47 @@ class CacheIndex:
         from `retry_at_ns` on), in one write transaction. Returns the failed ones that left the cache
         meanwhile: nothing holds them any more, they will never be uploaded."""
         s = self._db()
-        gone: list[str] = []
-        again = _U64.pack(retry_at_ns)
         with s.env.begin(write=True) as txn:
-            uploaded: list[bytes] = []
-            for key in done:
-                k = key.encode()
-                raw = txn.get(k, db=s.entries)
-                if raw is None:
-                    continue
-                entry = Entry.unpack(raw)
-                if entry.pending_upload:
-                    self._unqueue(txn, s, k, entry)
-                    txn.put(k, replace(entry, queued_ns=0).pack(), db=s.entries)
-                    uploaded.append(k)
+            uploaded, gone = journal.finish(txn, s, done, retry, retry_at_ns)
             self._log(txn, s, ChangeKind.UPLOADED, [(k, True) for k in uploaded])
-            for key in retry:
-                k = key.encode()
-                raw = txn.get(k, db=s.entries)
-                if raw is None:
-                    gone.append(key)
-                elif (entry := Entry.unpack(raw)).pending_upload:
-                    record = _TS.pack(entry.queued_ns) + k
-                    if txn.get(record, db=s.uploads) is not None:
-                        txn.put(record, again, db=s.uploads)
         return gone
 
     # -- the change log -----------------------------------------------------------------------------------
-
-    def _log(
-        self, txn: lmdb.Transaction[bytes], s: Shared, kind: ChangeKind, items: Sequence[tuple[bytes, bool]]
-    ) -> None:
-        """Append (key, whether the bucket had it) changes: a kind byte (high bit: not uploaded), the key."""
-        if not items:
-            return
-        raw = txn.get(_CHANGES_NEXT_KEY, db=s.meta)
-        seq = 1 if raw is None else _U64.unpack(raw)[0]
-        for k, uploaded in items:
-            tag = bytes((kind | (0 if uploaded else _NOT_UPLOADED),))
-            txn.put(_TS.pack(seq), tag + k, db=s.changes)
-            seq += 1
-        txn.put(_CHANGES_NEXT_KEY, _U64.pack(seq), db=s.meta)
 
     @translate
     def change_seq(self) -> int:
         """The sequence number the next change will get (a new reader starts here: no history replayed)."""
         s = self._db()
         with s.env.begin() as txn:
-            raw = txn.get(_CHANGES_NEXT_KEY, db=s.meta)
-        return 1 if raw is None else int(_U64.unpack(raw)[0])
+            return changelog.next_seq(txn, s)
 
     @translate
     def changes_since(self, seq: int, limit: int = 4096) -> list[Change]:
         """Up to ``limit`` changes numbered ``seq`` or later, oldest first (a reader that fell behind the
         log's trimming finds a gap: those changes are gone)."""
         s = self._db()
-        out: list[Change] = []
         with s.env.begin() as txn:
-            cursor = txn.cursor(db=s.changes)
-            if not cursor.set_range(_TS.pack(max(0, seq))):
-                return out
-            for record, value in cursor:
-                kind, key = ChangeKind(value[0] & ~_NOT_UPLOADED), bytes(value[1:]).decode()
-                out.append(Change(_TS.unpack(record)[0], kind, key, uploaded=not value[0] & _NOT_UPLOADED))
-                if len(out) >= limit:
-                    break
-        return out
+            return changelog.since(txn, s, seq, limit)
 
     @translate
-    def trim_changes(self, keep: int) -> int:
-        """Drop all but the newest ``keep`` changes; how many went."""
+    def trim_changes(self, keep: int, max_rows: int = changelog.TRIM_SLICE) -> int:
+        """Drop the oldest changes but the newest ``keep``, at most ``max_rows`` in this one transaction;
+        how many went (``max_rows``: call again)."""
         s = self._db()
-        dropped = 0
         with s.env.begin(write=True) as txn:
-            raw = txn.get(_CHANGES_NEXT_KEY, db=s.meta)
-            first_kept = (0 if raw is None else _U64.unpack(raw)[0]) - keep
-            cursor = txn.cursor(db=s.changes)
-            if cursor.first():
-                while cursor.key() and _TS.unpack(cursor.key())[0] < first_kept:
-                    cursor.delete()  # moves to the next record (an empty key past the last)
-                    dropped += 1
-        return dropped
+            return changelog.trim(txn, s, keep, max_rows)
+
+    def _log(
+        self, txn: lmdb.Transaction[bytes], s: Shared, kind: ChangeKind, items: Sequence[tuple[bytes, bool]]
+    ) -> None:
+        changelog.append(txn, s, kind, items, self._change_log_max)
 
     @translate
     def backlog(self) -> Backlog:
-        """What waits for upload: counters, and the age of the oldest record (the first in key order)."""
+        """What waits for upload: counters, and the age of the oldest record."""
         s = self._db()
         with s.env.begin() as txn:
-            nbytes, count = self._upload_counters(txn, s)
-            cursor = txn.cursor(db=s.uploads)
-            oldest = _TS.unpack(cursor.key()[:8])[0] if cursor.first() else 0
-        return Backlog(chunks=count, bytes=nbytes, oldest_queued_ns=oldest)
+            return journal.backlog(txn, s)
 
     @translate
     def change_pins(self, keys: Iterable[str], delta: int) -> None:
@@ -538,24 +449,16 @@ class CacheIndex:
         s = self._db()
         with s.env.begin(write=True) as txn:
             rec_used, rec_count = self._counters(txn, s)
-            used = count = upload_bytes = uploads = 0
-            not_before = dict(txn.cursor(db=s.uploads))
+            used = count = 0
             txn.drop(s.lru, delete=False)
-            txn.drop(s.uploads, delete=False)
             for k, raw in txn.cursor(db=s.entries):
                 entry = Entry.unpack(raw)
                 used += entry.size
                 count += 1
                 if txn.get(k, db=s.pins) is None:
                     txn.put(_lru_key(entry.last_access_ns, k), b"", db=s.lru)
-                if entry.pending_upload:
-                    record = _TS.pack(entry.queued_ns) + k
-                    txn.put(record, not_before.get(record, _U64.pack(0)), db=s.uploads)
-                    upload_bytes += entry.size
-                    uploads += 1
             self._set_counters(txn, s, used, count)
-            txn.put(_UPLOAD_BYTES_KEY, _U64.pack(upload_bytes), db=s.meta)
-            txn.put(_UPLOAD_COUNT_KEY, _U64.pack(uploads), db=s.meta)
+            journal.rebuild(txn, s)
         return rec_used, used, rec_count, count
 
     @translate
@@ -565,23 +468,17 @@ class CacheIndex:
         s = self._db()
         with s.env.begin() as txn:
             rec_used, rec_count = self._counters(txn, s)
-            rec_upload_bytes, rec_uploads = self._upload_counters(txn, s)
-            used = count = upload_bytes = 0
+            used = count = 0
             expected: set[bytes] = set()
-            queued: set[bytes] = set()
             for k, raw in txn.cursor(db=s.entries):
                 entry = Entry.unpack(raw)
                 used += entry.size
                 count += 1
                 if txn.get(k, db=s.pins) is None:
                     expected.add(_lru_key(entry.last_access_ns, k))
-                if entry.pending_upload:
-                    queued.add(_TS.pack(entry.queued_ns) + k)
-                    upload_bytes += entry.size
             actual = set(txn.cursor(db=s.lru).iternext(values=False))
-            recorded_queue = set(txn.cursor(db=s.uploads).iternext(values=False))
-        drift = (rec_upload_bytes != upload_bytes) + (rec_uploads != len(queued))
-        return rec_used, used, rec_count, count, len(expected ^ actual) + len(queued ^ recorded_queue) + drift
+            drift = journal.drift(txn, s)
+        return rec_used, used, rec_count, count, len(expected ^ actual) + drift
 
     def _counters(self, txn: lmdb.Transaction[bytes], s: Shared) -> tuple[int, int]:
         used = txn.get(_USED_KEY, db=s.meta)
@@ -594,16 +491,3 @@ class CacheIndex:
     def _set_counters(self, txn: lmdb.Transaction[bytes], s: Shared, used: int, count: int) -> None:
         txn.put(_USED_KEY, _U64.pack(used), db=s.meta)
         txn.put(_COUNT_KEY, _U64.pack(count), db=s.meta)
-
-    def _upload_counters(self, txn: lmdb.Transaction[bytes], s: Shared) -> tuple[int, int]:
-        nbytes = txn.get(_UPLOAD_BYTES_KEY, db=s.meta)
-        count = txn.get(_UPLOAD_COUNT_KEY, db=s.meta)
-        return (
-            0 if nbytes is None else _U64.unpack(nbytes)[0],
-            0 if count is None else _U64.unpack(count)[0],
-        )
-
-    def _add_upload_counters(self, txn: lmdb.Transaction[bytes], s: Shared, nbytes: int, count: int) -> None:
-        have_bytes, have_count = self._upload_counters(txn, s)
-        txn.put(_UPLOAD_BYTES_KEY, _U64.pack(max(0, have_bytes + nbytes)), db=s.meta)
-        txn.put(_UPLOAD_COUNT_KEY, _U64.pack(max(0, have_count + count)), db=s.meta)

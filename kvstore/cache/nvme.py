@@ -48,6 +48,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from types import TracebackType
 
+from kvstore.cache.changelog import MAX_CHANGES, TRIM_SLICE
 from kvstore.cache.files import ChunkFiles, new_token
 from kvstore.cache.fsck import FsckReport, check
 from kvstore.cache.index import CacheIndex
@@ -92,6 +93,7 @@ class NVMeCache:
     ``budget_bytes`` applies to the admissions this instance makes; give every process the same value.
     ``fsync`` makes each file durable before its index entry is committed (off by default: a file torn by a
     power loss fails its checksum on read and becomes a miss). ``index_sync`` is LMDB's own commit fsync.
+    ``change_log_max`` bounds the node's change log (every process's commits keep it there).
     ``direct_io`` uses O_DIRECT where the filesystem allows it; ``repair`` opens for fsck only (it works on a
     full disk: nothing is written to open it).
     """
@@ -109,13 +111,20 @@ class NVMeCache:
         max_readers: int = 512,
         touch_flush_interval_s: float = 1.0,
         touch_buffer_max: int = 4096,
+        change_log_max: int = MAX_CHANGES,
     ) -> None:
         if not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ConfigError(f"cache_bytes must be a positive number of bytes, got {budget_bytes!r}")
         self.directory = os.fspath(directory)
         self.budget_bytes = budget_bytes
         self._files = ChunkFiles(directory, fsync=fsync, direct_io=direct_io, repair=repair)
-        self._index = CacheIndex(directory, map_size=map_size, max_readers=max_readers, sync=index_sync)
+        self._index = CacheIndex(
+            directory,
+            map_size=map_size,
+            max_readers=max_readers,
+            sync=index_sync,
+            change_log_max=change_log_max,
+        )
         self._touch_interval_ns = int(touch_flush_interval_s * 1e9)
         self._touch_max = touch_buffer_max
         self._lock = threading.Lock()  # guards the buffers below, never held across I/O
@@ -430,8 +439,12 @@ class NVMeCache:
         return self._index.changes_since(seq, limit)
 
     def trim_changes(self, keep: int) -> int:
-        """Drop all but the newest ``keep`` changes (the node agent does, now and then)."""
-        return self._index.trim_changes(keep)
+        """Drop all but the newest ``keep`` changes (the node agent does, now and then), a slice per
+        transaction so that no store waits long for the index; how many went."""
+        dropped = 0
+        while (n := self._index.trim_changes(keep)) == TRIM_SLICE:
+            dropped += n
+        return dropped + n
 
     # -- maintenance -------------------------------------------------------------------------------------
 

@@ -11,6 +11,9 @@ from pathlib import Path
 from cache_workers import make_changes, read_changes
 
 from kvstore.cache import Change, ChangeKind, NVMeCache
+from kvstore.cache.changelog import TRIM_SLICE
+from kvstore.cache.index import CacheIndex
+from kvstore.cache.records import Entry
 from kvstore.chunk import HEADER_BLOCK, stored_size
 from tests.cache_helpers import admit, admit_many, locate
 
@@ -137,6 +140,50 @@ def test_trim_changes_keeps_the_newest(cache_dir: Path) -> None:
         assert cache.change_seq() == start + 11
         admit(cache, k(12), b"x" * 100)
         assert cache.changes_since(start) == [Change(start + 11, EVICTED, k(11))]
+
+
+def test_without_an_agent_the_log_stays_within_its_bound(cache_dir: Path) -> None:
+    """Nobody trims while no node agent runs: the transactions that append keep the log bounded (a million
+    changes once made a 118 MB index, and the first trim then stalled every store)."""
+    with NVMeCache(cache_dir, U, change_log_max=50) as cache:
+        start = cache.change_seq()
+        for batch in range(3):  # each admission evicts the one before: 299 changes
+            admit_many(cache, [(k(100 * batch + i), b"x" * 100) for i in range(100)])
+        kept = cache.changes_since(0, limit=1 << 20)
+        assert [c.key for c in kept] == [k(i) for i in range(249, 299)], "the newest 50 stay"
+        assert cache.change_seq() == start + 299, "numbering goes on"
+
+
+def test_a_log_over_its_bound_shrinks_a_little_with_each_append(cache_dir: Path) -> None:
+    """A log that grew under a larger bound (an earlier release's) is not trimmed in one transaction: each
+    append drops a few more than it adds until the log is within the bound again."""
+    with NVMeCache(cache_dir, U) as cache:
+        admit_many(cache, [(k(i), b"x" * 100) for i in range(301)])
+    with NVMeCache(cache_dir, U, change_log_max=100) as cache:
+        sizes = []
+        for i in range(5):
+            admit(cache, k(1000 + i), b"x" * 100)
+            sizes.append(len(cache.changes_since(0, limit=1 << 20)))
+        assert sizes == [300 - 64, 300 - 128, 300 - 192, 100, 100]
+
+
+def test_a_trim_drops_a_slice_per_transaction(cache_dir: Path) -> None:
+    """One writer at a time: an engine's store waits for whatever one trimming transaction does."""
+    n = TRIM_SLICE + 500
+    with NVMeCache(cache_dir, U) as cache:
+        index = CacheIndex(cache_dir)  # index entries alone make changes fast (the files play no part)
+        try:
+            start = index.change_seq()
+            entry = Entry(size=U, checksum=bytes(16), last_access_ns=1, token=bytes(8))
+            assert all(a.admitted for a in index.admit_many([(k(i), entry) for i in range(n + 1)], U, {}))
+            assert index.trim_changes(10, max_rows=300) == 300, "one transaction, one slice"
+            assert index.changes_since(0, limit=1)[0].seq == start + 300
+        finally:
+            index.close()
+        assert cache.trim_changes(10) == n - 310, "slice after slice, until only the newest are left"
+        assert [c.seq for c in cache.changes_since(0, limit=1 << 20)] == list(
+            range(start + n - 10, start + n)
+        )
 
 
 def test_another_process_sees_the_changes(cache_dir: Path) -> None:
