@@ -6,13 +6,14 @@ It does only what a waiting request needs, and composes the parts that do it:
 ``outcomes``   what the engine learned: answers, metrics, events, hints for the agent (the one writer)
 ``prober``     probe scheduling for the vLLM scheduler: batched, deduplicated, prefix-ordered, prefetching
 ``reads``      loads: NVMe (O_DIRECT, verified in place), then prefetched chunks, then object GETs
+``admission``  object hits onto NVMe from the bytes their load verified, at a quiet moment
 ``writes``     stores: O_DIRECT writes from the caller's buffer, one commit that queues the uploads
 ``io``         the I/O itself, as functions that return result records
 ``threads``    every thread (one place states the thread model)
 =============  ==========================================================================================
 
-Everything else (uploads, admission of object hits to NVMe, eviction, LRU touches, access records, node
-counters, pin sync) is the node agent's (`kvstore.agent`), in a process of its own at idle priority: the
+Everything else (uploads, eviction, LRU touches, access records, node counters, pin sync) is the node
+agent's (`kvstore.agent`), in a process of its own at idle priority: the
 engine tells it what it needs through hints (`kvstore.agent.link`) and learns what it did from the node's
 change log, both from its housekeeping, which runs in the probe thread's spare time.
 
@@ -36,6 +37,7 @@ from kvstore.agent.link import AgentLink
 from kvstore.agent.supervisor import AgentWatch, register_engine, unregister_engine
 from kvstore.cache import NVMeCache
 from kvstore.chunk import Codec
+from kvstore.engine.admission import Admission
 from kvstore.engine.answers import AnswerCache, Presence
 from kvstore.engine.bad_chunks import count_removals
 from kvstore.engine.breaker import Breaker
@@ -45,6 +47,7 @@ from kvstore.engine.prefetch import PrefetchBuffer
 from kvstore.engine.prober import Prober
 from kvstore.engine.reads import Reader
 from kvstore.engine.threads import EngineThreads
+from kvstore.engine.timeline import Timeline
 from kvstore.engine.writes import StoreOutcome, Writer
 from kvstore.errors import CacheError
 from kvstore.metrics import EngineMetrics
@@ -111,8 +114,19 @@ class TieredStore:
         self._prober = Prober(
             self._outcomes, prefetched, self.threads, clock=clock, on_idle=self.housekeeping
         )
-        self._reader = Reader(self._outcomes, prefetched, self.threads, load_timeout_s=load_timeout_s)
         self._writer = Writer(self._outcomes, self.threads, codec=codec, element_width=element_width)
+        self._admission = Admission(
+            self._writer.admit_fetched,
+            busy=lambda: self._reader.busy or self._prober.in_flight > 0,
+            budget_bytes=max(prefetch_bytes, 64 << 20),
+        )
+        self._reader = Reader(
+            self._outcomes,
+            prefetched,
+            self.threads,
+            load_timeout_s=load_timeout_s,
+            admit=self._admission.offer,
+        )
         self._counters = NodeCounters(self.metrics, counters_sink or self._link.counters)
         self._agent = agent
         self._changes_at = cache.change_seq()
@@ -120,6 +134,7 @@ class TieredStore:
         self._marker = register_engine(cache.directory)
         self._closed = False
         self.threads.service("kvstore-probe", self._prober.run)
+        self.threads.service("kvstore-admit", self._admission.run)
 
     # ---------------------------------------------------------------- lookup
 
@@ -181,6 +196,11 @@ class TieredStore:
         """Like `probe_async`, for the unknown keys of requests (one chain each, in token order): see
         `kvstore.engine.prober`. Never blocks."""
         self._prober.probe_prefixes(chains)
+
+    def trace(self, timeline: Timeline | None) -> None:
+        """Mark the probe's milestones into ``timeline`` (benchmarks; None: stop)."""
+        self._prober.timeline = timeline
+        self._admission.timeline = timeline
 
     @property
     def probes_in_flight(self) -> int:
@@ -269,6 +289,7 @@ class TieredStore:
             return ShutdownReport(not_uploaded=0)
         self._closed = True
         self._prober.stop()
+        self._admission.close()  # after what is queued: those hits are still written
         self.threads.join(10.0)
         self._counters.publish()
         self.housekeeping()

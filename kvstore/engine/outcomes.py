@@ -121,8 +121,8 @@ class Outcomes:
             self._link.touched(keys)
 
     def loaded_from_bucket(self, hits: Sequence[Fetched]) -> None:
-        """Verified object-store chunks served: metrics, regions, answers, and the agent asked to admit them
-        to NVMe (it fetches them again at idle priority: vLLM's process spends nothing on it)."""
+        """Verified object-store chunks served: metrics, regions, answers, and the agent told they were
+        used (access records). Their NVMe admission is the engine's (`kvstore.engine.admission`)."""
         seconds = self.metrics.read_seconds.labels("object")
         nbytes = 0
         for hit in hits:
@@ -135,7 +135,6 @@ class Outcomes:
         keys = [hit.key for hit in hits]
         self.in_bucket(keys)
         if self._link is not None:
-            self._link.fetched(keys)
             self._link.touched(keys)
 
     def load_failed(self, keys: Sequence[str]) -> None:

@@ -1,10 +1,12 @@
 """Probe scheduling: finding out, in the background, where the chunks the scheduler asked about are.
 
 The vLLM scheduler must never block, so its lookups read only the answer cache; what it does not know goes
-to the probe, one thread that asks the index first, then the object store (by GET when prefetching is on,
-so the load that follows finds the bytes in memory; else by HEAD). A request that waits looks its keys up
-again on every scheduler step: a key already asked is not asked again until it is answered, every probe has
-ended, or it was asked longer ago than ``_ASK_AGAIN_S`` (its answer may have been lost to a store error).
+to the probe, one thread that asks the index first and answers what is on this node at once, then hands the
+rest to the object store on the io threads without waiting (by GET when prefetching is on, so the load that
+follows finds the bytes in memory, see `kvstore.engine.chain_fetch`; else by HEAD): a request whose chunks
+are on NVMe never waits behind another request's GETs. A request that waits looks its keys up again on every
+scheduler step: a key already asked is not asked again until it is answered, every probe has ended, or it
+was asked longer ago than ``_ASK_AGAIN_S`` (its answer may have been lost to a store error).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 
-from kvstore.engine import io
+from kvstore.engine.chain_fetch import ChainFetch
 from kvstore.engine.outcomes import Outcomes
 from kvstore.engine.prefetch import PrefetchBuffer
 from kvstore.engine.threads import EngineThreads
+from kvstore.engine.timeline import INDEX_READ, PROBE_STARTED, Timeline
 from kvstore.errors import StoreError
 
 log = logging.getLogger(__name__)
@@ -44,8 +47,10 @@ class Prober:
         self._on_idle = on_idle  # the probe thread's spare time: the engine's housekeeping
         self._asked: dict[str, float] = {}  # keys handed to the probe and not answered yet
         self._requests: queue.SimpleQueue[list[list[str]]] = queue.SimpleQueue()
-        self._probing: set[str] = set()
+        self._probing: set[str] = set()  # keys the probe is answering now (the index, or GETs in flight)
+        self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self.timeline: Timeline | None = None  # milestones for benchmarks (see `kvstore.engine.timeline`)
 
     # -- the scheduler's side (never blocks) -------------------------------------------------------------
 
@@ -80,6 +85,8 @@ class Prober:
         self._stopping.set()
 
     def run(self) -> None:
+        """The probe thread: answers what the index knows at once, and hands the rest to the object store
+        without waiting for it, so a batch of NVMe hits never queues behind another batch's GETs."""
         while not self._stopping.is_set():
             try:
                 chains = self._requests.get(timeout=_IDLE_S)
@@ -94,16 +101,16 @@ class Prober:
                     break
                 chains.extend(more)
                 pending += sum(map(len, more))
-            chains = self._unanswered(chains)
-            self._probing.update(key for chain in chains for key in chain)
+            with self._lock:
+                chains = self._unanswered(chains)
+                self._probing.update(key for chain in chains for key in chain)
+            if self.timeline is not None:
+                self.timeline.mark(PROBE_STARTED)
             try:
                 self._answer(chains)
             except Exception:  # a probe must never kill the thread; unanswered keys are asked again
-                log.exception("probe of %d chunks failed", len(self._probing))
-            finally:
-                for key in self._probing:  # answered now, or to be asked again
-                    self._asked.pop(key, None)
-                self._probing.clear()
+                log.exception("probe of %d chunks failed", sum(map(len, chains)))
+                self._done([key for chain in chains for key in chain])
             self._on_idle()
 
     def probe_store(self, keys: Sequence[str]) -> list[bool]:
@@ -122,12 +129,17 @@ class Prober:
         return found
 
     def _unanswered(self, chains: list[list[str]]) -> list[list[str]]:
-        """The chains with answered keys left out, each key in one chain only (its first)."""
+        """The chains with answered keys and keys still being probed left out, each key in one chain only
+        (its first). Under the lock."""
         seen: set[str] = set()
         out: list[list[str]] = []
         answer = self._outcomes.answer
         for chain in chains:
-            left = [k for k in dict.fromkeys(chain) if k not in seen and answer(k) is None]
+            left = [
+                k
+                for k in dict.fromkeys(chain)
+                if k not in seen and k not in self._probing and answer(k) is None
+            ]
             seen.update(left)
             if left:
                 out.append(left)
@@ -137,51 +149,45 @@ class Prober:
         outcomes = self._outcomes
         keys = [key for chain in chains for key in chain]
         here = outcomes.cache.contains_many(keys)
+        if self.timeline is not None:
+            self.timeline.mark(INDEX_READ)
         local = [key for key, cached in zip(keys, here, strict=True) if cached]
         outcomes.on_nvme(local)
         on_node = set(local)
+        self._done(local)
         elsewhere = [chain for chain in ([k for k in c if k not in on_node] for c in chains) if chain]
         if not elsewhere:
             return
-        if not outcomes.store_available:
-            outcomes.nowhere([key for chain in elsewhere for key in chain])
-        elif self._prefetched.enabled:
-            self._prefetch(elsewhere)
-        else:
-            self.probe_store([key for chain in elsewhere for key in chain])
-
-    def _prefetch(self, chains: list[list[str]]) -> None:
-        """Probe by GET: hits are verified as they arrive and wait in the prefetch buffer for their load.
-
-        Keys are asked rank by rank over the chains (every chain's first key, then every second key...) and
-        each answer is published as soon as its GET returns, so vLLM sees a growing prefix of hits and
-        starts loading it while the rest is still on the wire."""
-        outcomes = self._outcomes
-        store = outcomes.store
-        assert store is not None
-        order = [
-            (c, rank)
-            for rank in range(max(map(len, chains)))
-            for c, chain in enumerate(chains)
-            if rank < len(chain)
-        ]
-        first_miss = [len(chain) for chain in chains]
-
-        def fetch(at: tuple[int, int]) -> None:
-            c, rank = at
-            if rank > first_miss[c] or not outcomes.store_available:  # past a miss: the request cannot use it
-                return
-            fetched = io.fetch(store, chains[c][rank])
-            if not fetched.good:
-                first_miss[c] = min(first_miss[c], rank)
-                outcomes.not_usable(fetched, loading=False)
-                return
-            self._prefetched.offer(fetched)  # no room: still a hit, the load GETs it again
-            outcomes.in_bucket([fetched.key])
-
+        rest = [key for chain in elsewhere for key in chain]
         threads = self._threads
+        if not outcomes.store_available:
+            outcomes.nowhere(rest)
+            self._done(rest)
+        elif self._prefetched.enabled:
+            fetch = ChainFetch(
+                elsewhere, outcomes, self._prefetched, on_done=self._fetched, timeline=self.timeline
+            )
+            fetch.start(threads.io.submit, threads.io_workers)
+        else:
+            threads.io.submit(self._heads, rest)
+
+    def _heads(self, keys: list[str]) -> None:
         try:
-            threads.map(threads.io, threads.io_workers, fetch, order)
-            outcomes.breaker.succeeded()
-        except StoreError as exc:  # keys answered before the failure stand; the rest are asked again
-            outcomes.breaker.failed("get", exc)
+            self.probe_store(keys)
+        finally:
+            self._done(keys)
+
+    def _fetched(self, fetch: ChainFetch) -> None:
+        """A batch's GETs have all ended (on its last io thread)."""
+        if fetch.error is not None:  # keys answered before the failure stand; the rest are asked again
+            self._outcomes.breaker.failed("get", fetch.error)
+        else:
+            self._outcomes.breaker.succeeded()
+        self._done(fetch.keys)
+
+    def _done(self, keys: Sequence[str]) -> None:
+        """These keys are answered, or will be asked again: no longer in flight."""
+        with self._lock:
+            for key in keys:
+                self._probing.discard(key)
+                self._asked.pop(key, None)

@@ -1,16 +1,18 @@
 """The read path: chunks into the caller's buffers, verified, from the fastest tier that has them.
 
-NVMe (the index says present) -> O_DIRECT reads on the disk threads, in parallel (cold reads need queue
-depth), verified in place; then what the probe already fetched (verified when it arrived) -> copied in at
-memory speed; then object GETs on the io threads, within the load deadline -> verified while copied. What
-the object store served, the node agent admits to NVMe later (told by a hint, never by the bytes).
+What the probe already fetched (verified when it arrived) -> copied in at memory speed; then NVMe (the index
+says present) -> O_DIRECT reads on the disk threads, in parallel (cold reads need queue depth), verified in
+place; then object GETs on the io threads, within the load deadline -> verified while copied. What
+the object store served goes to NVMe from these very bytes, at a quiet moment (`kvstore.engine.admission`):
+one GET per hit.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvstore.cache import CachedChunk, ReadResult, ReadStatus
 from kvstore.engine import io
@@ -31,65 +33,91 @@ class Reader:
         threads: EngineThreads,
         *,
         load_timeout_s: float,
+        admit: Callable[[Sequence[Fetched]], None],
     ) -> None:
+        """``admit`` takes the verified object hits a load served, to put them on NVMe later."""
         self._outcomes = outcomes
         self._prefetched = prefetched
         self._threads = threads
         self._load_timeout = load_timeout_s
+        self._admit = admit
+        self._running = 0
+        self._lock = threading.Lock()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a load runs now."""
+        return self._running > 0
 
     def load_into(self, items: Sequence[tuple[str, memoryview]]) -> list[bool]:
         """Fill each buffer with its chunk's raw bytes; True where the chunk was found and verified.
         Buffers whose entry is False may hold garbage and must not be used; their chunks are recorded as
         missing, so lookups stop promising them."""
+        with self._lock:
+            self._running += 1
+        try:
+            return self._load(items)
+        finally:
+            with self._lock:
+                self._running -= 1
+
+    def _load(self, items: Sequence[tuple[str, memoryview]]) -> list[bool]:
         outcomes = self._outcomes
-        out = self._load_local(items)
+        out = [False] * len(items)
+        # What the probe fetched is in memory and verified: copied in at memory speed, before anything else
+        # (an NVMe copy, if another process admitted one meanwhile, would cost a disk read).
+        hits = self._take_prefetched(items, out)
+        self._load_local(items, [i for i, ok in enumerate(out) if not ok], out)
         missing = [i for i, ok in enumerate(out) if not ok]
-        if missing and outcomes.store is not None:
-            self._load_remote(items, missing, out)
+        if missing and outcomes.store is not None and outcomes.store_available:
+            hits += self._load_remote(items, missing, out)
+        if hits:
+            outcomes.loaded_from_bucket(hits)
+            self._admit(hits)
         failed = [items[i][0] for i, ok in enumerate(out) if not ok]
         if failed:
             outcomes.load_failed(failed)
         return out
 
-    def _load_remote(
-        self, items: Sequence[tuple[str, memoryview]], missing: list[int], out: list[bool]
-    ) -> None:
-        outcomes = self._outcomes
-        # What the probe already fetched is in memory and verified: copy it here, at memory speed. Only the
-        # rest waits on the network, and on the io workers, which may still be busy with that probe's GETs.
+    def _take_prefetched(self, items: Sequence[tuple[str, memoryview]], out: list[bool]) -> list[Fetched]:
         hits: list[Fetched] = []
-        on_network: list[int] = []
-        for i in missing:
-            key, dest = items[i]
+        for i, (key, dest) in enumerate(items):
             held = self._prefetched.take(key)
             if held is None:
-                on_network.append(i)
                 continue
             failure = io.deliver(held, dest)
             if failure is None:
                 out[i] = True
                 hits.append(held)
             else:
-                outcomes.not_usable(Fetched(key, held.blob, held.region, error=failure), loading=True)
-        if on_network and outcomes.store_available:
-            for i, fetched in zip(on_network, self._fetch_all([items[i] for i in on_network]), strict=True):
-                if fetched is not None and fetched.good:
-                    out[i] = True
-                    hits.append(fetched)
-                elif fetched is not None:
-                    outcomes.not_usable(fetched, loading=True)
-        if hits:
-            outcomes.loaded_from_bucket(hits)
+                self._outcomes.not_usable(Fetched(key, held.blob, held.region, error=failure), loading=True)
+        return hits
 
-    def _load_local(self, items: Sequence[tuple[str, memoryview]]) -> list[bool]:
+    def _load_remote(
+        self, items: Sequence[tuple[str, memoryview]], missing: list[int], out: list[bool]
+    ) -> list[Fetched]:
+        """GET what neither the probe nor NVMe had; the hits."""
+        hits: list[Fetched] = []
+        for i, fetched in zip(missing, self._fetch_all([items[i] for i in missing]), strict=True):
+            if fetched is not None and fetched.good:
+                out[i] = True
+                hits.append(fetched)
+            elif fetched is not None:
+                self._outcomes.not_usable(fetched, loading=True)
+        return hits
+
+    def _load_local(
+        self, items: Sequence[tuple[str, memoryview]], wanted: list[int], out: list[bool]
+    ) -> None:
+        if not wanted:
+            return
         cache = self._outcomes.cache
         start = time.perf_counter()
         # One index read for the whole batch: each LMDB transaction hands the GIL away once.
-        located = cache.locate_many([key for key, _ in items])
-        here = [i for i, loc in enumerate(located) if loc is not None]
-        out = [False] * len(items)
+        located = dict(zip(wanted, cache.locate_many([items[i][0] for i in wanted]), strict=True))
+        here = [i for i, loc in located.items() if loc is not None]
         if not here:
-            return out
+            return
 
         def read(i: int) -> ReadResult:
             loc = located[i]
@@ -109,7 +137,6 @@ class Reader:
                 nbytes += loc.raw_length
         if hits:
             self._outcomes.loaded_from_nvme(hits, nbytes, (time.perf_counter() - start) / len(here))
-        return out
 
     def _accept_local(self, located: CachedChunk, result: ReadResult) -> bool:
         outcomes = self._outcomes

@@ -18,6 +18,7 @@ from kvstore.chunk import Codec, flat, stored_size
 from kvstore.engine import io
 from kvstore.engine.answers import Presence
 from kvstore.engine.bad_chunks import count_removals
+from kvstore.engine.io import Fetched
 from kvstore.engine.outcomes import Outcomes
 from kvstore.engine.threads import EngineThreads
 from kvstore.errors import CacheError, CacheFull
@@ -133,3 +134,33 @@ class Writer:
             seconds_each = (time.perf_counter() - since) / len(files)
             outcomes.stored([f.key for f in ours], [f.entry.size for f in ours], seconds_each)
         return out
+
+    def admit_fetched(self, hits: Sequence[Fetched]) -> int:
+        """Write verified object-store chunks as they came (their bytes are the files') and admit them in one
+        commit, not queued for upload (the bucket has them); how many were admitted."""
+        outcomes = self._outcomes
+        metrics, cache, threads = outcomes.metrics, outcomes.cache, self._threads
+        fresh = [
+            hit
+            for hit, here in zip(hits, cache.contains_many([h.key for h in hits]), strict=True)
+            if not here
+        ]
+        staged = threads.map(threads.disk, threads.disk_workers, lambda h: io.write_fetched(cache, h), fresh)
+        files = [s for s in staged if isinstance(s, StagedFile)]
+        for error in (s for s in staged if isinstance(s, CacheError)):
+            log.warning("NVMe write of an object hit failed: %s", error)
+            metrics.write_failures.labels("nvme").inc()
+        if not files:
+            return 0
+        try:
+            admitted = cache.commit(files)
+        except CacheError as exc:
+            log.warning("NVMe admission of %d object hits failed: %s", len(files), exc)
+            metrics.write_failures.labels("nvme").inc(len(files))
+            return 0
+        finally:
+            count_removals(cache, metrics)
+        ours = [f for f, ok in zip(files, admitted, strict=True) if ok]
+        metrics.write_bytes.labels("nvme").inc(sum(f.entry.size for f in ours))
+        outcomes.on_nvme([f.key for f in ours])
+        return len(ours)

@@ -21,7 +21,9 @@ from kvstore.engine import EngineThreads, Presence, TieredStore
 from kvstore.metrics import EngineMetrics
 from kvstore.stores import MemoryStore, ObjectStore
 from kvstore.stores.base import Buffer
+from kvstore.stores.s3 import S3Store
 from tests.cache_helpers import locate, read_chunk, read_status
+from tests.conftest import S3Server
 from tests.engine_helpers import CHUNK, fill, keys, load, payload
 from tests.helpers import FakeClock, sample, wait_for
 
@@ -194,23 +196,32 @@ def test_a_download_that_ends_after_the_deadline_never_touches_the_buffer(
     assert all(bytes(row) == b"\xee" * CHUNK for row in rows), "a late download wrote into a reused row"
 
 
-def test_object_hits_wait_for_an_agent_and_reach_nvme_through_it(
-    s3_store: ObjectStore,
+def test_a_bucket_hit_costs_one_get_node_wide_and_a_repeat_load_none(
+    s3_server: S3Server,
+    s3_store: S3Store,
     cache: NVMeCache,
     metrics: EngineMetrics,
     make_engine: MakeEngine,
     start_agent: StartAgent,
 ) -> None:
-    names = keys(3, "late-agent")
+    """A fresh node's hit: the probe's GET is the load, and the bytes it verified are the ones admitted to
+    NVMe (nobody fetches them again, neither this engine nor the node agent); the next load asks nothing."""
+    names = keys(6, "one-get")
     fill(s3_store, names)
+    agent = start_agent(cache, s3_store)
     engine = make_engine(s3_store, cache, metrics)
-    assert load(engine, names) == [payload(i) for i in range(3)]  # served with no agent on the node
-    engine.housekeeping()  # no agent listens yet: the hints wait in the engine
-    assert cache.contains_many(names) == [False] * 3
-    start_agent(cache, s3_store)
-    engine.housekeeping()
-    wait_for(lambda: all(cache.contains_many(names)), what="the late agent to admit the hits")
-    assert sample(metrics, "kvstore:agent_hints_dropped_total") == 0
+    before = s3_server.requests(s3_store.bucket)
+    engine.probe_prefixes([names])
+    wait_for(lambda: all(engine.lookup_cached(k) is Presence.REMOTE for k in names), what="the probe")
+    assert load(engine, names) == [payload(i) for i in range(6)]
+    wait_for(lambda: all(cache.contains_many(names)), what="the hits to reach NVMe")
+    hints = agent.hints_received
+    engine.housekeeping()  # whatever the engine tells the agent about these hits, it has now told it
+    wait_for(lambda: agent.hints_received > hints, what="the agent to take the engine's hints")
+    served = s3_server.requests(s3_store.bucket) - before
+    assert (served.get, served.put, served.list) == (6, 0, 0)
+    assert load(engine, names) == [payload(i) for i in range(6)]
+    assert (s3_server.requests(s3_store.bucket) - before).get == 6  # the repeat load came from NVMe
 
 
 def test_prefix_probe_asks_first_keys_first_and_stops_a_chain_at_its_miss(

@@ -1,0 +1,129 @@
+"""The probe's GETs for one batch of chains, on the io threads, without the probe thread waiting for them.
+
+Each chain is the unknown keys of one request (and KV-cache group) in token order, and a request can use only
+the chunks before its first miss. So keys are asked rank by rank over the chains (every chain's first key,
+then every second key...), nothing past a chain's known miss is fetched, and each hit is verified as it
+arrives and held for its load (`PrefetchBuffer`).
+
+Answers are published in waves, per chain: when the chain's contiguous prefix of hits has grown by a quarter
+of the chain (at least ``_MIN_WAVE`` keys) or has reached its end (the last key, or the first miss). Each
+publication becomes one promotion job at vLLM's next step; per GET, a request of 47 chunks made 14-21 jobs,
+each with its own round of GIL hand-offs on vLLM's threads, while the GETs it waited for still ran.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from kvstore.engine import io
+from kvstore.engine.outcomes import Outcomes
+from kvstore.engine.prefetch import PrefetchBuffer
+from kvstore.engine.timeline import GET_RETURNED, Timeline
+from kvstore.errors import StoreError
+
+_MIN_WAVE = 8
+
+
+class ChainFetch:
+    """GETs of one batch of chains; ``start`` returns at once, ``on_done`` runs once they have all ended."""
+
+    def __init__(
+        self,
+        chains: list[list[str]],
+        outcomes: Outcomes,
+        prefetched: PrefetchBuffer,
+        *,
+        on_done: Callable[[ChainFetch], None],
+        timeline: Timeline | None = None,
+    ) -> None:
+        self.chains = chains
+        self._outcomes = outcomes
+        self._prefetched = prefetched
+        self._on_done = on_done
+        self._timeline = timeline
+        self._order = iter(
+            [
+                (c, rank)
+                for rank in range(max(map(len, chains)))
+                for c, chain in enumerate(chains)
+                if rank < len(chain)
+            ]
+        )
+        self._end = [len(chain) for chain in chains]  # a chain ends at its last key or its first miss
+        self._good = [[False] * len(chain) for chain in chains]
+        self._published = [0] * len(chains)
+        self._waves = [max(_MIN_WAVE, len(chain) // 4) for chain in chains]
+        self._lock = threading.Lock()
+        self._runners = 0
+        self.error: StoreError | None = None
+
+    @property
+    def keys(self) -> list[str]:
+        return [key for chain in self.chains for key in chain]
+
+    def start(self, submit: Callable[[Callable[[], None]], object], workers: int) -> None:
+        """Run the GETs on ``workers`` tasks of the io pool (``submit``)."""
+        self._runners = min(workers, sum(map(len, self.chains)))
+        for _ in range(self._runners):
+            submit(self._run)
+
+    def _run(self) -> None:
+        store = self._outcomes.store
+        assert store is not None
+        try:
+            for c, rank in self._order:  # a list iterator hands each item to exactly one runner
+                if self.error is not None or not self._outcomes.store_available:
+                    return
+                if rank >= self._end[c]:
+                    continue  # past the chain's first miss: the request cannot use it
+                try:
+                    self._fetched(c, rank, io.fetch(store, self.chains[c][rank]))
+                except StoreError as exc:  # the store fails: the rest is asked again later
+                    self.error = exc
+                    return
+        finally:
+            with self._lock:
+                self._runners -= 1
+                last = self._runners == 0
+            if last:
+                self._publish_rest()
+                self._on_done(self)
+
+    def _fetched(self, c: int, rank: int, fetched: io.Fetched) -> None:
+        outcomes = self._outcomes
+        if self._timeline is not None:
+            self._timeline.mark(GET_RETURNED)
+        if fetched.good:
+            self._prefetched.offer(fetched)  # no room: still a hit, the load GETs it again
+        else:
+            outcomes.not_usable(fetched, loading=False)  # answers "missing" now
+        with self._lock:
+            if fetched.good:
+                self._good[c][rank] = True
+            else:
+                self._end[c] = min(self._end[c], rank)
+            wave = self._wave(c)
+        if wave:
+            outcomes.in_bucket(wave)
+
+    def _wave(self, c: int) -> list[str]:
+        """The keys of chain ``c`` to publish now, if its ready prefix has grown enough (under the lock)."""
+        start, good, end = self._published[c], self._good[c], self._end[c]
+        ready = start
+        while ready < end and good[ready]:
+            ready += 1
+        if ready == start or (ready < end and ready - start < self._waves[c]):
+            return []
+        self._published[c] = ready
+        return self.chains[c][start:ready]
+
+    def _publish_rest(self) -> None:
+        """After the last GET: every hit not published yet (a failed batch leaves gaps; hits stand)."""
+        rest: list[str] = []
+        with self._lock:
+            for c, chain in enumerate(self.chains):
+                rest += [chain[r] for r in range(self._published[c], len(chain)) if self._good[c][r]]
+                self._published[c] = len(chain)
+        if rest:
+            self._outcomes.in_bucket(rest)
