@@ -62,6 +62,8 @@ from kvstore.connector.jobs import JobThreads
 from kvstore.connector.tier_events import announce_served, parse_locality, to_vllm_events
 from kvstore.connector.tier_metrics import BackgroundStats, TierStats, metric_definitions
 from kvstore.engine import Presence, TieredStore
+from kvstore.engine import timeline as milestones
+from kvstore.engine.timeline import Timeline
 from kvstore.errors import ConfigError
 from kvstore.key_scheme import KeyScheme
 from kvstore.keys import Namespace
@@ -87,6 +89,7 @@ _TIER_OPTIONS = {
     "gil_switch_interval_s",
     "stats_interval_s",
     "job_batch_chunks",
+    "timeline_path",
 }
 # `agent`: "auto" (default) starts the node agent when none runs on this cache directory; "external" leaves it
 # to the operator (`kvstore agent` in a DaemonSet container or a systemd unit).
@@ -202,6 +205,10 @@ class KVStoreTier(SecondaryTierManager):
             agent=_AGENT_CHOICES[agent],
         )
         self._engine = self._node.engine
+        # Benchmarks: each request's milestones, appended to this file (see `kvstore.engine.timeline`).
+        path = options.get("timeline_path")
+        self._timeline = Timeline(str(path)) if path else None
+        self._engine.trace(self._timeline)
         self._slots = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view
         # Job threads: `job_workers` per kind (default 1), each running what waits in its queue as one batch.
         # More job threads only made them compete for the GIL with each other and with the scheduler thread
@@ -269,6 +276,8 @@ class KVStoreTier(SecondaryTierManager):
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if self._timeline is not None:
+            self._timeline.begin(req_context.req_id)
         chunk = self._chunk_keys.get(key)
         if chunk is None:  # a waiting request's keys are looked up on every step: name each once
             if len(self._chunk_keys) >= _CHUNK_KEY_MEMO:
@@ -281,10 +290,18 @@ class KVStoreTier(SecondaryTierManager):
                 position = req_context.get_offload_key_position(key)
                 self._unprobed.append(UnknownChunk(req_context.req_id, key[-4:], position, chunk))
             return LookupResult.RETRY
-        return LookupResult.MISS if found is Presence.MISS else LookupResult.HIT
+        if found is Presence.MISS:
+            return LookupResult.MISS
+        if self._timeline is not None:
+            self._timeline.mark(milestones.LOOKUP_HIT)
+        return LookupResult.HIT
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self._timeline is not None:
+            self._timeline.mark(milestones.STEP)
+            if self._unprobed:
+                self._timeline.mark(milestones.PROBE_SENT)
         if self._unprobed:
             batch, self._unprobed = self._unprobed, []
             self._engine.probe_prefixes(prefix_chains(batch))
@@ -303,6 +320,8 @@ class KVStoreTier(SecondaryTierManager):
         served = self._served.pop(req_context.req_id, None)
         if served:
             self._announce.extend(served)
+        if self._timeline is not None:
+            self._timeline.end(req_context.req_id)
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -315,6 +334,8 @@ class KVStoreTier(SecondaryTierManager):
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
         self._loads_in_flight.add(job_metadata.job_id)
+        if self._timeline is not None:
+            self._timeline.mark(milestones.LOAD_SUBMITTED)
         if self._events_enabled:
             self._loading[job_metadata.job_id] = (job_metadata.req_context.req_id, job_metadata.keys)
         self._update_switch_interval()
@@ -324,6 +345,8 @@ class KVStoreTier(SecondaryTierManager):
     def get_finished_jobs(self) -> Iterable[JobResult]:
         done: list[JobResult] = self._jobs.take_finished()
         if self._loads_in_flight and done:
+            if self._timeline is not None and any(r.job_id in self._loads_in_flight for r in done):
+                self._timeline.mark(milestones.LOAD_REPORTED)
             self._loads_in_flight.difference_update(result.job_id for result in done)
         if self._loading and done:
             for result in done:
@@ -428,10 +451,14 @@ class KVStoreTier(SecondaryTierManager):
     def _run_loads(self, jobs: Sequence[TransferJob]) -> list[JobResult]:
         """One engine load for a batch of jobs; a job whose chunk ids are out of range fails on its own."""
         start = time.perf_counter()
+        if self._timeline is not None:
+            self._timeline.mark(milestones.LOAD_STARTED)
         runnable, results = self._with_slots(jobs)
         items = [item for _, job_items in runnable for item in job_items]
         ok = iter(self._engine.load_into(items)) if items else iter(())
         elapsed = time.perf_counter() - start
+        if self._timeline is not None:
+            self._timeline.mark(milestones.LOAD_DONE)
         for job, job_items in runnable:
             good = [next(ok) for _ in job_items]
             loaded = [k for k, fine in zip(job.keys, good, strict=True) if fine]

@@ -189,6 +189,7 @@ def _child(work: Path) -> None:
     )
     results: list[dict[str, Any]] = []
     generate_s: list[float] = []
+    generate_at: list[tuple[float, float]] = []  # monotonic start and end: tier timelines use that clock
     for i, prompt in enumerate(spec["prompts"]):
         if i:
             time.sleep(spec["pause_s"])
@@ -198,9 +199,10 @@ def _child(work: Path) -> None:
                     time.sleep(0.05)
         p = TokensPrompt(prompt_token_ids=prompt) if isinstance(prompt, list) else prompt
         known = set(recorder.blocks) if recorder is not None else set()
-        g0 = time.perf_counter()
+        m0, g0 = time.monotonic(), time.perf_counter()
         (out,) = llm.generate([p], params, use_tqdm=False)
         generate_s.append(time.perf_counter() - g0)
+        generate_at.append((m0, time.monotonic()))
         prompt_len = len(out.prompt_token_ids or [])
         digests = None
         if recorder is not None:  # read now: the next request may take these blocks
@@ -233,6 +235,7 @@ def _child(work: Path) -> None:
                 "metric_names": metric_names,
                 "start_s": start_s,
                 "generate_s": generate_s,
+                "generate_at": generate_at,
                 "kv_events": events,
             },
             default=repr,

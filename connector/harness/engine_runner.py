@@ -88,6 +88,8 @@ class EngineRun:
     start_s: float
     generate_s: list[float]
     wall_s: float
+    # Per prompt: time.monotonic() when its generate call started and ended (tier timelines use that clock).
+    generate_at: list[tuple[float, float]] = field(default_factory=list)
     # Events published over ZMQ (capture_kv_events=True), each a plain dict with a "type".
     kv_events: list[dict[str, Any]] = field(default_factory=list)
     # What the engine left in /dev/shm and its private TMPDIR (removed by the harness).
@@ -234,6 +236,7 @@ def run_engine(
             metrics=out["metrics"],
             start_s=out["start_s"],
             generate_s=out["generate_s"],
+            generate_at=[tuple(pair) for pair in out.get("generate_at", [])],
             kv_events=out["kv_events"],
             metric_names=frozenset(out["metric_names"]),
             wall_s=wall,
