@@ -22,6 +22,7 @@ from minio.deleteobjects import DeleteObject
 from prometheus_client import CollectorRegistry
 
 from kvstore.config import load_settings
+from kvstore.connector.harness.s3_requests import RequestCounts, read_request_counts
 from kvstore.metrics import EngineMetrics
 from kvstore.runtime import Node, open_node
 from kvstore.stores.embedded import SeaweedServer
@@ -71,6 +72,13 @@ class S3Server:
     def bucket(self) -> Iterator[str]:
         """A new, uniquely named bucket on this server; emptied and removed afterwards."""
         yield from _make_bucket(self)
+
+    def requests(self, bucket: str) -> RequestCounts:
+        """What the server was asked about ``bucket`` so far, counted by the server itself (SeaweedFS's
+        counters; a test that needs them skips on another server)."""
+        url = self._own("count the requests of").metrics_url
+        assert url is not None, "the server has not started"
+        return read_request_counts(url, bucket=bucket)
 
 
 def _docker_answers() -> bool:

@@ -59,6 +59,7 @@ _PORT_NAMES = (
     "s3.port.grpc",
     "admin.port",  # the admin server listens even with -admin.ui=false; port 0 would put its gRPC on 10000
     "admin.port.grpc",
+    "metricsPort",  # Prometheus counters (requests by type and status): what benchmarks count S3 calls with
 )
 
 
@@ -95,6 +96,10 @@ class _Ports:
     @property
     def s3(self) -> int:
         return self.by_flag["s3.port"]
+
+    @property
+    def metrics(self) -> int:
+        return self.by_flag["metricsPort"]
 
 
 def _die_with_parent() -> None:
@@ -135,14 +140,22 @@ class SeaweedServer:
         self._log: IO[bytes] | None = None
         self.start_seconds: float | None = None  # how long the last start() took
         self._attached_endpoint: str | None = None  # set for a server another process runs
+        self._attached_metrics: str | None = None
 
     @classmethod
     def attach(
-        cls, data_dir: str | os.PathLike[str], endpoint: str, *, access_key: str, secret_key: str
+        cls,
+        data_dir: str | os.PathLike[str],
+        endpoint: str,
+        *,
+        access_key: str,
+        secret_key: str,
+        metrics_url: str | None = None,
     ) -> SeaweedServer:
         """A handle on a server another process runs: it reports the endpoint; `stop()` leaves it alone."""
         server = cls(data_dir, access_key=access_key, secret_key=secret_key)
         server._attached_endpoint = endpoint
+        server._attached_metrics = metrics_url
         return server
 
     @property
@@ -161,6 +174,14 @@ class SeaweedServer:
         if self._ports is None:
             raise StoreError("the SeaweedFS server has not been started yet")
         return f"http://{_HOST}:{self._ports.s3}"
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Its Prometheus endpoint (S3 requests by type and status), on loopback; None before the first
+        start, or for another process's server that did not record one."""
+        if self._attached_endpoint is not None:
+            return self._attached_metrics
+        return f"http://{_HOST}:{self._ports.metrics}/metrics" if self._ports is not None else None
 
     @property
     def ports(self) -> dict[str, int]:
@@ -441,7 +462,10 @@ def ensure_embedded_server(
             with server.store(bucket) as s:
                 s.create_bucket()
             assert server.pid is not None
-            _write_json(root / _STATE_FILE, {"pid": server.pid, "endpoint": server.endpoint})
+            _write_json(
+                root / _STATE_FILE,
+                {"pid": server.pid, "endpoint": server.endpoint, "metrics": server.metrics_url},
+            )
         except BaseException:
             server.stop()
             raise
@@ -467,13 +491,20 @@ def _running_server(root: Path, access_key: str, secret_key: str) -> SeaweedServ
     try:
         state = json.loads((root / _STATE_FILE).read_text())
         pid, endpoint = int(state["pid"]), str(state["endpoint"])
-    except (OSError, ValueError, KeyError, TypeError):
+        metrics = state.get("metrics")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     try:
         os.kill(pid, 0)
     except (ProcessLookupError, PermissionError):
         return None
-    shared = SeaweedServer.attach(root, endpoint, access_key=access_key, secret_key=secret_key)
+    shared = SeaweedServer.attach(
+        root,
+        endpoint,
+        access_key=access_key,
+        secret_key=secret_key,
+        metrics_url=metrics if isinstance(metrics, str) else None,
+    )
     try:
         with shared.store(_PROBE_BUCKET, options=_PROBE_OPTIONS) as probe:
             probe.check()
