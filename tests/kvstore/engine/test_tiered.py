@@ -617,3 +617,29 @@ def test_lookups_read_the_answers_only_and_the_probe_reads_the_index(
     answers = [Presence.LOCAL, Presence.LOCAL, Presence.MISS]
     wait_for(lambda: [other.lookup_cached(k) for k in names] == answers)
     assert asked == [names[2]]  # the one chunk the node does not hold
+
+
+def test_absent_keys_asked_every_step_cost_one_request_each_per_miss_ttl(
+    s3_server: S3Server,
+    s3_store: S3Store,
+    cache: NVMeCache,
+    metrics: EngineMetrics,
+    make_engine: MakeEngine,
+) -> None:
+    """A waiting request looks its keys up on every scheduler step; for keys the bucket does not have, the
+    store is asked once per key until the "missing" answer expires, then once more: counted at the server."""
+    clock = FakeClock(0.0)
+    absent = keys(3, "absent")
+    engine = make_engine(s3_store, cache, metrics, clock=clock, probe_miss_ttl_s=2.0)
+    before = s3_server.requests(s3_store.bucket)
+    for _ in range(100):  # 100 scheduler steps, 0.1 s apart: 10 s, five "missing" lifetimes
+        for key in absent:
+            if engine.lookup_cached(key) is Presence.PENDING and engine.needs_probe(key):
+                engine.probe_prefixes([[key]])
+        wait_for(lambda: engine.probes_in_flight == 0, what="the step's probes")
+        engine.end_of_step()
+        clock.advance(0.1)
+    asked = s3_server.requests(s3_store.bucket) - before
+    assert asked.get <= len(absent) * (10 / 2.0 + 1)
+    assert asked.get >= len(absent) * 4  # each expiry did ask again
+    assert [engine.lookup_cached(k) for k in absent] == [Presence.MISS] * 3
