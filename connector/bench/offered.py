@@ -32,7 +32,8 @@ from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob
 
 from kvstore.agent.uploads import wait_uploaded
 from kvstore.cache import NVMeCache
-from kvstore.connector.bench.tiers import Primary, close_tier, dd_bandwidth, fs_tier, keys_for, our_tier
+from kvstore.connector.bench.disk import dd_bandwidth
+from kvstore.connector.bench.tier_driver import Primary, close_tier, fs_tier, keys_for, our_tier
 
 _STEP_S = 0.01
 _CACHE_BYTES = 16 << 30

@@ -1,0 +1,173 @@
+"""The object path of a new node: chunks in the S3 store and an empty NVMe cache, timed from the first lookup
+to the last byte loaded, the tier driven the way vLLM's scheduler drives it (lookups every step until
+answered, one load job per step for what was answered); against the raw baseline, parallel GETs of the same
+objects with obstore and as many threads as our tier's io workers."""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob
+
+from kvstore.agent.uploads import wait_uploaded
+from kvstore.connector.bench.target import StoreTarget
+from kvstore.connector.bench.tier_driver import (
+    STEP_S,
+    Primary,
+    Timed,
+    close_tier,
+    keys_for,
+    make_jobs,
+    our_tier,
+    run_jobs,
+)
+
+__all__ = ["ObjectPathResult", "bench_object_path"]
+
+
+@dataclass
+class ObjectPathResult:
+    chunk_bytes: int
+    chunks: int
+    end_to_end_gb_s: float  # first lookup to last byte loaded, fresh node
+    raw_get_gb_s: float  # raw parallel obstore GETs of the same objects
+    vs_raw: float
+    cpu_us: float = 0.0  # CPU microseconds per chunk of the calling process (median over rounds)
+    raw_cpu_us: float = 0.0  # ... of the raw GET loop
+
+
+def _scheduler_loads(tier: SecondaryTierManager, keys: Sequence[OffloadKey], first_row: int) -> Timed:
+    """From the first lookup to the last load reported, as vLLM's scheduler drives a tier: every step it
+    looks up what is not loaded yet, submits one load job for what became a HIT, and polls."""
+    req = ReqContext(req_id="bench-object")
+    tier.on_new_request(req)
+    for position, key in enumerate(keys):
+        req.set_offload_key_position(key, (position + 1) * 128)
+    todo = list(range(len(keys)))
+    in_flight: set[int] = set()
+    job_id = 200_000
+    cpu = time.process_time()
+    start = time.perf_counter()
+    while todo or in_flight:
+        for result in tier.get_finished_jobs():
+            in_flight.discard(result.job_id)
+            if not result.success:
+                raise RuntimeError("an object-store load failed")
+        hits: list[int] = []
+        waiting: list[int] = []
+        for i in todo:
+            found = tier.lookup(keys[i], req)
+            if found is LookupResult.MISS:
+                raise RuntimeError("a chunk in the store is a miss")
+            (hits if found is LookupResult.HIT else waiting).append(i)
+        if hits:
+            job_id += 1
+            tier.submit_load(
+                TransferJob(
+                    job_id, [keys[i] for i in hits], np.asarray([first_row + i for i in hits]), True, req
+                )
+            )
+            in_flight.add(job_id)
+        todo = waiting
+        tier.on_schedule_end(None)  # type: ignore[arg-type]  # the standalone scheduler has no context
+        time.sleep(STEP_S)
+    return Timed(time.perf_counter() - start, time.process_time() - cpu)
+
+
+def bench_object_path(
+    chunk_bytes: int,
+    chunks: int,
+    *,
+    target: StoreTarget,
+    rounds: int,
+    workers: int,
+    workdir: Path,
+) -> ObjectPathResult:
+    """A new node's loads from the S3 store of `target`, against raw parallel GETs of the same objects."""
+    primary = Primary(chunk_bytes, 2 * chunks)
+    primary.fill(chunks, seed=chunk_bytes + 1)
+    keys = keys_for(f"object-{chunk_bytes}-{time.time_ns()}", chunks)
+    raw_get = _raw_gets(target, _seed(primary, keys, target, workdir), workers)
+    ours: list[Timed] = []
+    baseline: list[Timed] = []
+    try:
+        for _ in range(rounds):
+            baseline.append(raw_get())
+            root = Path(tempfile.mkdtemp(prefix="fresh-node-", dir=workdir))
+            tier = our_tier(primary, root, target.store_url, s3_endpoint=target.endpoint or "")
+            try:
+                ours.append(_scheduler_loads(tier, keys, chunks))
+                bad = [i for i in range(chunks) if not primary.same(i, chunks + i)]
+                if bad:
+                    raise RuntimeError(f"{len(bad)} chunks loaded wrong bytes from the object store")
+            finally:
+                close_tier(tier)
+                shutil.rmtree(root, ignore_errors=True)
+            primary.map[chunks * chunk_bytes :] = bytes(chunks * chunk_bytes)
+    finally:
+        primary.close()
+    total = chunk_bytes * chunks / 1e9
+    best_ours, best_raw = min(t.seconds for t in ours), min(t.seconds for t in baseline)
+    return ObjectPathResult(
+        chunk_bytes=chunk_bytes,
+        chunks=chunks,
+        end_to_end_gb_s=total / best_ours,
+        raw_get_gb_s=total / best_raw,
+        vs_raw=best_raw / best_ours,
+        cpu_us=statistics.median(t.cpu_s for t in ours) / chunks * 1e6,
+        raw_cpu_us=statistics.median(t.cpu_s for t in baseline) / chunks * 1e6,
+    )
+
+
+def _seed(primary: Primary, keys: Sequence[OffloadKey], target: StoreTarget, workdir: Path) -> list[str]:
+    """Store rows 0.. of `primary` under `keys` through our tier on a node of its own, wait until its agent
+    uploaded them, and drop that node: the chunks' object names, in the S3 store alone."""
+    root = Path(tempfile.mkdtemp(prefix="seed-", dir=workdir))
+    seeder = our_tier(primary, root, target.store_url, s3_endpoint=target.endpoint or "")
+    try:
+        run_jobs(seeder, make_jobs(keys, range(len(keys)), 16, 1), load=False)
+        if not wait_uploaded(seeder.engine.cache, 600):
+            raise RuntimeError("seeding the object store did not finish")
+        return [seeder.namespace.chunk_key(k) for k in keys]
+    finally:
+        close_tier(seeder)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _raw_gets(target: StoreTarget, names: Sequence[str], workers: int) -> Callable[[], Timed]:
+    """The raw baseline: one call GETs every object of `names` from `target`'s bucket with obstore, on
+    `workers` threads, and says how long that took."""
+    import obstore
+    from obstore.store import S3Store as RawS3
+
+    bucket, prefix = target.bucket_and_prefix
+    prefix = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
+    raw = RawS3(
+        bucket,
+        config={
+            "endpoint": target.endpoint or "",
+            "access_key_id": target.access_key,
+            "secret_access_key": target.secret_key,
+            "region": "us-east-1",
+        },
+        client_options={"allow_http": True},
+    )
+
+    def raw_get() -> Timed:
+        cpu = time.process_time()
+        start = time.perf_counter()
+        with ThreadPoolExecutor(workers) as pool:
+            sizes = list(pool.map(lambda name: len(obstore.get(raw, prefix + name).bytes()), names))
+        assert all(sizes)
+        return Timed(time.perf_counter() - start, time.process_time() - cpu)
+
+    return raw_get
