@@ -21,7 +21,7 @@ from kvstore.connector.bench.command import (
 from kvstore.connector.bench.multiturn_cli import chat_run
 
 if TYPE_CHECKING:
-    from kvstore.connector.bench.fleet import FleetReport
+    from kvstore.connector.bench.fleet_report import FleetReport
 
 __all__ = ["FleetOptions", "bench_fleet"]
 
@@ -68,7 +68,8 @@ def bench_fleet(o: FleetOptions) -> None:
     """Two vLLM servers standing for two nodes, one bucket, conversations whose turns land on either:
     round-robin with vLLM's fs tier per node, round-robin with ours, and cache-aware routing with ours
     (NVIDIA Dynamo's KV indexer); throughput, TTFT, hit shares per tier, cross-node hits, CPU seconds."""
-    from kvstore.connector.bench.fleet import METHODS, run_fleet, write_outputs
+    from kvstore.connector.bench.fleet import METHODS, run_fleet
+    from kvstore.connector.bench.fleet_report import write_outputs
     from kvstore.connector.harness.multiturn import Workload
     from kvstore.connector.harness.router import RouterError, unavailable_reason
     from kvstore.connector.harness.vllm_server import VLLMServerError

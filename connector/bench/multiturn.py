@@ -36,6 +36,7 @@ from typing import Any
 from kvstore.agent.supervisor import agent_status, stop_agent
 from kvstore.agent.uploads import wait_uploaded
 from kvstore.cache import NVMeCache
+from kvstore.connector.bench.outputs import figure, json_and_png
 from kvstore.connector.bench.target import StoreTarget
 from kvstore.connector.configs import cpu_tiering_config
 from kvstore.connector.harness.multiturn import TurnRecord, Workload, replay
@@ -222,7 +223,7 @@ def run_multiturn(
                 log_path=root / f"server-{method.replace('+', '-')}.log",
             ) as server:
                 # First requests after start pay one-off costs (allocations, warm-up paths): not measured.
-                asyncio.run(replay(server.base_url, server.model, _warmup(workload)))
+                asyncio.run(replay(server.base_url, server.model, workload.warmup(seed=0)))
                 for index, n in enumerate(conversations):
                     point_load = Workload(**{**asdict(workload), "conversations": n, "seed": index + 1})
                     if on_point_start is not None:
@@ -249,19 +250,6 @@ def _set_footprint(report: MultiturnReport, tokens: int, sizing: Sizing) -> None
     report.conversation_tokens = tokens
     report.engine_conversations = sizing.engine_kv_bytes / sizing.kv_bytes_per_token / tokens
     report.cpu_conversations = sizing.cpu_bytes / sizing.kv_bytes_per_token / tokens
-
-
-def _warmup(workload: Workload) -> Workload:
-    """Two short conversations with a seed no point uses."""
-    return Workload(
-        conversations=2,
-        context_tokens=min(256, workload.context_tokens),
-        turn_tokens=min(64, workload.turn_tokens),
-        turns=2,
-        output_tokens=workload.output_tokens,
-        concurrency=2,
-        seed=0,
-    )
 
 
 def _method_config(
@@ -429,49 +417,36 @@ def load_report(path: Path) -> MultiturnReport:
 
 def write_outputs(report: MultiturnReport, out_dir: Path, title: str) -> tuple[Path, Path]:
     """`multiturn.json` and `multiturn.png` under `out_dir`."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = out_dir / "multiturn.json", out_dir / "multiturn.png"
-    json_path.write_text(report.to_json())
-    plot_report(report, png_path, title)
-    return json_path, png_path
+    return json_and_png(out_dir, "multiturn", report.to_json(), lambda png: plot_report(report, png, title))
 
 
 def plot_report(report: MultiturnReport, path: Path, title: str) -> None:
     """Prompt tokens/s (and mean TTFT) vs conversations, one line per method; regime borders marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True, height_ratios=(3, 2))
-    for method in dict.fromkeys(p.method for p in report.points):
-        pts = sorted((p for p in report.points if p.method == method), key=lambda p: p.conversations)
-        xs = [p.conversations for p in pts]
-        top.plot(xs, [p.prompt_tokens_per_s for p in pts], marker="o", label=method)
-        bottom.plot(xs, [p.ttft_mean_s for p in pts], marker="o", label=method)
-    for ax in (top, bottom):
-        ax.set_xscale("log", base=2)
-        ax.grid(True, which="both", alpha=0.3)
-        for border, label in (
-            (report.engine_conversations, "engine KV cache full"),
-            (report.cpu_conversations, "CPU tier full"),
-        ):
-            ax.axvline(border, color="grey", linestyle="--", linewidth=1)
-            if ax is top:
-                ax.annotate(
-                    label, (border, 1), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right",
-                    fontsize=8, color="grey",
-                )  # fmt: skip
-    top.set_ylabel("prompt tokens/s (cache hits included)")
-    top.set_ylim(bottom=0)
-    top.legend()
-    top.set_title(textwrap.fill(title, 90), fontsize=10)
-    bottom.set_ylabel("mean TTFT (s)")
-    bottom.set_xlabel("concurrent conversations")
-    bottom.set_ylim(bottom=0)
-    ticks = sorted({p.conversations for p in report.points})
-    bottom.set_xticks(ticks, [str(t) for t in ticks])
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 2, 1, figsize=(8, 7.5), sharex=True, height_ratios=(3, 2)) as (_fig, (top, bottom)):
+        for method in dict.fromkeys(p.method for p in report.points):
+            pts = sorted((p for p in report.points if p.method == method), key=lambda p: p.conversations)
+            xs = [p.conversations for p in pts]
+            top.plot(xs, [p.prompt_tokens_per_s for p in pts], marker="o", label=method)
+            bottom.plot(xs, [p.ttft_mean_s for p in pts], marker="o", label=method)
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            ax.grid(True, which="both", alpha=0.3)
+            for border, label in (
+                (report.engine_conversations, "engine KV cache full"),
+                (report.cpu_conversations, "CPU tier full"),
+            ):
+                ax.axvline(border, color="grey", linestyle="--", linewidth=1)
+                if ax is top:
+                    ax.annotate(
+                        label, (border, 1), xycoords=("data", "axes fraction"), rotation=90, va="top",
+                        ha="right", fontsize=8, color="grey",
+                    )  # fmt: skip
+        top.set_ylabel("prompt tokens/s (cache hits included)")
+        top.set_ylim(bottom=0)
+        top.legend()
+        top.set_title(textwrap.fill(title, 90), fontsize=10)
+        bottom.set_ylabel("mean TTFT (s)")
+        bottom.set_xlabel("concurrent conversations")
+        bottom.set_ylim(bottom=0)
+        ticks = sorted({p.conversations for p in report.points})
+        bottom.set_xticks(ticks, [str(t) for t in ticks])

