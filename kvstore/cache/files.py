@@ -58,6 +58,7 @@ WRITERS_DIR = "writers"
 TMP_SUFFIX = ".tmp"
 TOKEN_BYTES = 8
 O_DIRECT = getattr(os, "O_DIRECT", 0)
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # A tmp file this old is a leftover whatever its pid says (the pid may have been reused): no write takes this
 # long.
 _TMP_MAX_AGE_S = 3600.0
@@ -151,8 +152,18 @@ class ChunkFiles:
             ) from exc
 
     def _probe(self, want_direct: bool) -> bool:
-        """Really create, write and remove a file (permissions alone do not tell: root, read-only mounts,
-        full disks), with O_DIRECT if wanted; whether O_DIRECT works here."""
+        """Really create, write and remove a file (permissions alone do not tell: root, read-only mounts),
+        with O_DIRECT if wanted; whether O_DIRECT works here. A full disk is usable (the cache evicts to make
+        room): it only hides whether O_DIRECT works, which the writes find out then (``write``)."""
+        try:
+            return self._try_probe(want_direct)
+        except OSError as exc:
+            if exc.errno not in _NO_SPACE:
+                raise
+            log.warning("%s is full: the cache will evict to make room", self.root)
+            return bool(want_direct and O_DIRECT)
+
+    def _try_probe(self, want_direct: bool) -> bool:
         probe = f"{self._root_str}/.{os.getpid()}.probe-{secrets.token_hex(4)}{TMP_SUFFIX}"
         page = self._buffers.head
         try:
@@ -216,6 +227,15 @@ class ChunkFiles:
                 # First admission into this fan-out directory (or fsck removed an empty one): create, retry.
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(folder)
+                fd = os.open(tmp, flags, 0o644)
+            except OSError as exc:
+                if not (self.direct_io and exc.errno == errno.EINVAL):
+                    raise
+                # The probe could not tell (a full disk at start): this filesystem refuses O_DIRECT.
+                log.warning("%s refuses O_DIRECT: chunk files use buffered I/O", self.root)
+                self.direct_io = False
+                flags &= ~O_DIRECT
+                iov = parts
                 fd = os.open(tmp, flags, 0o644)
             try:
                 expected = sum(memoryview(p).nbytes for p in iov)
@@ -322,10 +342,10 @@ class ChunkFiles:
             os.unlink(path)
 
     def _register_writer(self) -> None:
-        self._pid = os.getpid()
-        self._marker = f"{self._writers}/{self._pid}.{secrets.token_hex(4)}"
-        with open(self._marker, "x"):
+        marker = f"{self._writers}/{os.getpid()}.{secrets.token_hex(4)}"
+        with open(marker, "x"):  # on a full disk this may fail: the next write tries again
             pass
+        self._pid, self._marker = os.getpid(), marker
 
     def close(self) -> None:
         """This process writes no more: its marker goes (a marker left behind means it died)."""

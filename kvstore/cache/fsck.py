@@ -159,6 +159,7 @@ def check(
         index.rebuild()
         for key, token in bad:
             files.unlink(key, token)
+        index.unlinked((key, entry.token) for key, entry in dropped)
 
     report = FsckReport(
         entries=count,

@@ -19,6 +19,8 @@ Sub-databases (keys are the chunk key's UTF-8 bytes unless stated):
              node adds its own to, so a tool sees the node's traffic, not its own (``add_counters``).
 ``changes``  the node's change log (``changelog.py``): every transaction that evicts, removes or finishes
              uploading a chunk appends to it, and each engine turns it into KV events.
+``unlinks``  the files of dropped entries not deleted yet (``unlinks.py``): whoever opens the cache next
+             deletes what a killed process left.
 ``meta``     ``schema_version`` (``<Q``, currently 2) and ``<Q`` counters kept in step with ``entries``
              inside every write transaction: ``used_bytes``, ``entries`` (and the journal's and the change
              log's own, documented with them).
@@ -29,18 +31,20 @@ values stored and returned are in ``records.py``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 
 import lmdb
 
-from kvstore.cache import changelog, journal
+from kvstore.cache import changelog, journal, unlinks
 from kvstore.cache.lmdb_env import DEFAULT_MAP_SIZE, INDEX_DIR, Shared, acquire, release, translate
 from kvstore.cache.records import Admission, Backlog, Change, ChangeKind, Entry, Eviction, encode_key
-from kvstore.errors import CacheClosed
+from kvstore.errors import CacheClosed, CacheError
 
 # Eviction passes over at most this many chunks that still wait for upload to find uploaded ones: bounded
 # work per admission, and under a long outage (everything waits) plain LRU order again.
@@ -72,6 +76,8 @@ class CacheIndex:
         """``change_log_max``: the most changes the log holds (the oldest go first)."""
         self.path = os.path.realpath(os.path.join(directory, INDEX_DIR))
         self._change_log_max = change_log_max
+        self._unlinked: list[bytes] = []  # files this process deleted, forgotten by its next write
+        self._unlinked_lock = threading.Lock()
         self._shared: Shared | None = acquire(self.path, map_size, max_readers, sync)
 
     def _db(self) -> Shared:
@@ -81,6 +87,9 @@ class CacheIndex:
         return shared
 
     def close(self) -> None:
+        if self._shared is not None:
+            with contextlib.suppress(CacheError):  # a full disk: the next open deletes them again
+                self.forget_unlinked()
         shared, self._shared = self._shared, None
         if shared is not None:
             release(self.path, shared)
@@ -178,6 +187,7 @@ class CacheIndex:
         s = self._db()
         now = time.time_ns()
         with s.env.begin(write=True) as txn:
+            self._forget_unlinked(txn, s)
             self._apply_touches(txn, s, touches)
             admissions = [
                 self._admit_one(txn, s, encode_key(key), entry, budget, now) for key, entry in items
@@ -218,29 +228,34 @@ class CacheIndex:
         for vk, ve in victims:
             txn.delete(vk, db=s.entries)
             txn.delete(_lru_key(ve.last_access_ns, vk), db=s.lru)
+            unlinks.add(txn, s, vk, ve.token)
             if journal.unqueue(txn, s, vk, ve) > now:
                 uploading.add(vk.decode())
         return uploading
 
     @translate
-    def evict(self, target_used: int) -> Eviction:
+    def evict(self, target_used: int, max_victims: int | None = None) -> Eviction:
         """In ONE write transaction: evict least recently used entries (uploaded ones first, as admissions
-        do) until usage is at most ``target_used``; pinned entries are never taken. The node agent calls this
-        to keep usage below the budget, so admissions on the data path rarely evict."""
+        do) until usage is at most ``target_used``, or ``max_victims`` went; pinned entries are never taken.
+        The node agent calls this to keep usage below the budget, so admissions on the data path rarely
+        evict."""
         s = self._db()
         now = time.time_ns()
         with s.env.begin(write=True) as txn:
+            self._forget_unlinked(txn, s)
             used, count = self._counters(txn, s)
             if used <= target_used:
                 return Eviction()
-            victims = self._pick_victims(txn, s, used - target_used)
+            victims = self._pick_victims(txn, s, used - target_used, max_victims)
             uploading = self._drop_victims(txn, s, victims, now)
             freed = sum(ve.size for _, ve in victims)
             self._set_counters(txn, s, max(0, used - freed), max(0, count - len(victims)))
             self._log(txn, s, ChangeKind.EVICTED, [(vk, not ve.pending_upload) for vk, ve in victims])
         return Eviction(tuple((vk.decode(), ve) for vk, ve in victims), frozenset(uploading))
 
-    def _pick_victims(self, txn: lmdb.Transaction[bytes], s: Shared, need: int) -> list[tuple[bytes, Entry]]:
+    def _pick_victims(
+        self, txn: lmdb.Transaction[bytes], s: Shared, need: int, limit: int | None = None
+    ) -> list[tuple[bytes, Entry]]:
         """Least recently used first, but an entry still waiting for upload (its only copy) is passed over
         for an uploaded one within the next ``_UPLOAD_LOOKAHEAD`` records; past that, it goes too."""
         victims: list[tuple[bytes, Entry]] = []
@@ -259,10 +274,10 @@ class CacheIndex:
                 continue
             victims.append((vk, entry))
             freed += entry.size
-            if freed >= need:
+            if freed >= need or len(victims) == limit:
                 break
         for vk, entry in passed_over:  # not enough without them: the oldest of them go after all
-            if freed >= need:
+            if freed >= need or len(victims) == limit:
                 break
             victims.append((vk, entry))
             freed += entry.size
@@ -324,11 +339,44 @@ class CacheIndex:
             return None
         txn.delete(k, db=s.entries)
         txn.delete(_lru_key(entry.last_access_ns, k), db=s.lru)
+        unlinks.add(txn, s, k, entry.token)
         journal.unqueue(txn, s, k, entry)
         used, count = self._counters(txn, s)
         self._set_counters(txn, s, max(0, used - entry.size), max(0, count - 1))
         self._log(txn, s, ChangeKind.REMOVED, [(k, not entry.pending_upload)])
         return entry
+
+    # -- files of dropped entries ------------------------------------------------------------------------
+
+    def unlinked(self, items: Iterable[tuple[str, bytes]]) -> None:
+        """(key, token) of dropped entries whose files this process deleted: forgotten by its next write."""
+        records = [unlinks.record(key.encode(), token) for key, token in items]
+        with self._unlinked_lock:
+            self._unlinked.extend(records)
+            full = len(self._unlinked) >= 4096
+        if full:
+            self.forget_unlinked()
+
+    @translate
+    def forget_unlinked(self) -> None:
+        """Forget the deleted files ``unlinked`` reported, now (one write transaction)."""
+        if self._unlinked:
+            s = self._db()
+            with s.env.begin(write=True) as txn:
+                self._forget_unlinked(txn, s)
+
+    @translate
+    def pending_unlinks(self) -> list[tuple[str, bytes]]:
+        """(key, token) of the files of dropped entries not known to be deleted: a killed process's, or in
+        flight in a live one."""
+        s = self._db()
+        with s.env.begin() as txn:
+            return unlinks.pending(txn, s)
+
+    def _forget_unlinked(self, txn: lmdb.Transaction[bytes], s: Shared) -> None:
+        with self._unlinked_lock:
+            records, self._unlinked = self._unlinked, []
+        unlinks.drop(txn, s, records)
 
     # -- node-wide counters ------------------------------------------------------------------------------
 

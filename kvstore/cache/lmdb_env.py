@@ -14,6 +14,7 @@ on the first read of a missing page (``check_data_file``).
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import struct
@@ -24,7 +25,8 @@ from typing import ParamSpec, TypeVar
 
 import lmdb
 
-from kvstore.errors import CacheError
+from kvstore.cache.lmdb_check import check_data_file
+from kvstore.errors import CacheError, CacheFull
 
 __all__ = [
     "DEFAULT_MAP_SIZE",
@@ -44,21 +46,28 @@ INDEX_DIR = "index"
 DEFAULT_MAP_SIZE = 64 << 30  # sparse: LMDB only grows the file as pages are used
 _U64 = struct.Struct("<Q")
 _SCHEMA_KEY = b"schema_version"
-_DB_NAMES = (b"entries", b"lru", b"pins", b"uploads", b"meta", b"counters", b"changes")
+_DB_NAMES = (b"entries", b"lru", b"pins", b"uploads", b"meta", b"counters", b"changes", b"unlinks")
+# Room for the tables of later releases: a handle needs a slot for each table it opens.
+_MAX_DBS = 16
+
+# py-lmdb reports a failed write as "<call>: <strerror>" (lmdb.DiskError), without the errno.
+_NO_SPACE_MESSAGES = {os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT)}
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
 def translate(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    """Map LMDB's exceptions to CacheError at this module's edge."""
+    """Map LMDB's exceptions to CacheError at this module's edge (CacheFull for a full disk: a commit could
+    not write its pages)."""
 
     @functools.wraps(fn)
     def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         try:
             return fn(*args, **kwargs)
         except lmdb.Error as exc:
-            raise CacheError(f"cache index error: {exc}") from exc
+            error = CacheFull if _NO_SPACE_MESSAGES.intersection(str(exc).split(": ")) else CacheError
+            raise error(f"cache index error: {exc}") from exc
 
     return wrapper
 
@@ -73,6 +82,7 @@ class Shared:
     meta: lmdb._Database
     counters: lmdb._Database
     changes: lmdb._Database
+    unlinks: lmdb._Database
     pid: int
     refs: int = 0
 
@@ -86,20 +96,23 @@ def _open_shared(path: str, map_size: int, max_readers: int, sync: bool) -> Shar
     check_data_file(path)
     # metasync off: one fsync per commit instead of two. LMDB still flushes a commit's pages before its meta
     # page, so a crash can lose the last commit but never leaves a torn index.
-    env = lmdb.open(path, map_size=map_size, max_dbs=8, max_readers=max_readers, sync=sync, metasync=False)
+    env = lmdb.open(
+        path, map_size=map_size, max_dbs=_MAX_DBS, max_readers=max_readers, sync=sync, metasync=False
+    )
     try:
         # Reader slots of SIGKILLed processes would otherwise pin old pages forever.
         env.reader_check()
-        entries, lru, pins, uploads, meta, counters, changes = (env.open_db(name) for name in _DB_NAMES)
+        db = {name.decode(): env.open_db(name) for name in _DB_NAMES}
         shared = Shared(
             env=env,
-            entries=entries,
-            lru=lru,
-            pins=pins,
-            uploads=uploads,
-            meta=meta,
-            counters=counters,
-            changes=changes,
+            entries=db["entries"],
+            lru=db["lru"],
+            pins=db["pins"],
+            uploads=db["uploads"],
+            meta=db["meta"],
+            counters=db["counters"],
+            changes=db["changes"],
+            unlinks=db["unlinks"],
             pid=os.getpid(),
         )
         _check_schema(shared, path)
@@ -135,67 +148,6 @@ def _check_schema(shared: Shared, path: str) -> None:
             f"cache index {path!r} has schema version {version}; run `kvstore migrate` to upgrade it "
             f"to {SCHEMA_VERSION}"
         )
-
-
-# LMDB's meta pages (pages 0 and 1): a 16-byte page header, then MDB_meta. Only the fields needed to know
-# how long the data file must be: magic, the last page used, and the transaction id that says which of the
-# two metas is current. See lmdb.h / mdb.c (MDB_meta); stable since LMDB 0.9.
-_MDB_MAGIC = 0xBEEFC0DE
-_META = struct.Struct("<IIQQ")  # mm_magic, mm_version, mm_address, mm_mapsize
-_META_AT = 16
-_DB_RECORD = 48  # sizeof(MDB_db) on 64-bit builds
-_LAST_PAGE_AT = _META_AT + _META.size + 2 * _DB_RECORD
-_TAIL = struct.Struct("<QQ")  # mm_last_pg, mm_txnid
-
-
-def check_data_file(path: str) -> None:
-    """CacheError if ``<path>/data.mdb`` is damaged in a way LMDB would only find by crashing: a file shorter
-    than the pages its current meta page says are in use (a truncated file, or torn meta pages). Reads the
-    two meta pages with plain file I/O, before LMDB maps anything."""
-    data = os.path.join(path, "data.mdb")
-    try:
-        size = os.path.getsize(data)
-    except FileNotFoundError:
-        return  # a new index
-    if size == 0:
-        return  # created but never committed: LMDB initialises it
-    with open(data, "rb") as f:
-        head = f.read(2 * 65536)
-    page_size = _page_size(head)
-    metas: list[tuple[int, int]] = []
-    for start in (0, page_size):
-        page = head[start : start + page_size]
-        if len(page) < _LAST_PAGE_AT + _TAIL.size:
-            continue
-        magic = _META.unpack_from(page, _META_AT)[0]
-        if magic == _MDB_MAGIC:
-            last_page, txn = _TAIL.unpack_from(page, _LAST_PAGE_AT)
-            metas.append((txn, last_page))
-    if not metas:
-        raise CacheError(
-            f"cache index {path!r} is damaged (no valid LMDB meta page); run `kvstore fsck --fix` to rebuild "
-            "it from the chunk files"
-        )
-    _, last_page = max(metas)
-    if (last_page + 1) * page_size > size:
-        raise CacheError(
-            f"cache index {path!r} is damaged: data.mdb is {size} bytes but its pages reach "
-            f"{(last_page + 1) * page_size}; run `kvstore fsck --fix` to rebuild it from the chunk files"
-        )
-
-
-def _page_size(head: bytes) -> int:
-    """The page size LMDB used, from the first meta page (``mm_psize`` lives in the free DB's ``md_pad``),
-    or from where a second meta page is found when the first is damaged."""
-    if len(head) >= _LAST_PAGE_AT and _META.unpack_from(head, _META_AT)[0] == _MDB_MAGIC:
-        psize = int.from_bytes(head[_META_AT + _META.size : _META_AT + _META.size + 4], "little")
-        if psize in (4096, 8192, 16384, 32768, 65536):
-            return psize
-    for candidate in (4096, 8192, 16384, 32768, 65536):
-        page = head[candidate : candidate + _META_AT + _META.size]
-        if len(page) == _META_AT + _META.size and _META.unpack_from(page, _META_AT)[0] == _MDB_MAGIC:
-            return candidate
-    return 4096
 
 
 def acquire(path: str, map_size: int, max_readers: int, sync: bool) -> Shared:

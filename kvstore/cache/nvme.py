@@ -11,12 +11,18 @@ and race-safe:
   at the next open, or fsck, removes it), never an index entry pointing at a partial or foreign file.
 * evict: the node agent keeps usage below the budget (``evict``), so the data path's commits rarely evict.
 * remove (discard, stale entry, fsck): index first, file second, for the same reason.
+* the transaction that drops an entry names its file in the index (``unlinks.py``) until the file is
+  deleted, so a process killed in between (thousands of files, mid-eviction) leaves nothing behind: the next
+  open deletes them, reading only that short list.
 * a reader that finds a file gone lost a race with another process's eviction: it is a miss, and the stale
   entry (if it still names that very file) is dropped by ``forget``.
 
 The budget is ``budget_bytes`` or, where the filesystem has less room (a smaller disk than configured, other
 files), what the cache holds plus what is free minus a small reserve (``effective_budget``): a full disk makes
-the cache evict, never stop caching.
+the cache evict, never stop caching. A disk that another file filled to the last byte does not stop it
+either: the room an eviction's commit needs is held by a ballast file (``ballast.py``), and nothing that
+only records figures or hints (touches, counters, trimming) fails for want of room; stores fail (misses)
+until the evictions or the other file give room back.
 
 Reads verify against the index alone: an entry holds the chunk's content checksum (over its key and raw
 bytes), codec and raw length, so an uncompressed chunk is read with O_DIRECT straight into the caller's
@@ -48,6 +54,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from types import TracebackType
 
+from kvstore.cache.ballast import Ballast
 from kvstore.cache.changelog import MAX_CHANGES, TRIM_SLICE
 from kvstore.cache.files import ChunkFiles, new_token
 from kvstore.cache.fsck import FsckReport, check
@@ -76,7 +83,7 @@ from kvstore.chunk import (
     flat,
     stored_size,
 )
-from kvstore.errors import CacheError, CacheFull, ChunkCorrupt, ChunkUnreadable, ConfigError
+from kvstore.errors import CacheError, CacheFull, ChunkCorrupt, ChunkUnreadable, ConfigError, KVStoreError
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +92,8 @@ _OK = ReadResult(ReadStatus.OK)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # Free space the cache leaves to everything else on its filesystem: 2% of it, at most this.
 _RESERVE_MAX_BYTES = 1 << 30
+_FULL_DISK_BYTES = 64 << 10  # less free than this: the index may not find room for a commit
+_FULL_DISK_VICTIMS = 8  # evicted by a commit that must fit in the ballast's room
 
 
 class NVMeCache:
@@ -133,6 +142,7 @@ class NVMeCache:
         self._lost_uploads: collections.Counter[str] = collections.Counter()
         self._evicted = 0
         self._closed = False
+        self._ballast = Ballast(directory)
         reclaimed = self._files.reclaim_tmp()
         if reclaimed.files:
             log.info(
@@ -140,7 +150,9 @@ class NVMeCache:
                 reclaimed.files,
                 reclaimed.bytes,
             )
+        self._delete_unlinked()
         if not repair:
+            self._keep_ballast()
             self._warn_if_disk_is_smaller()
 
     @property
@@ -195,8 +207,8 @@ class NVMeCache:
             else:
                 # Lost a race with another process admitting the same key, or no room: our file is nobody's.
                 self._files.unlink_path(item.path)
+            self._unlink(admission.victims)
             for vkey, ventry in admission.victims:
-                self._files.unlink(vkey, ventry.token)
                 # One an uploader holds may still make it; the uploader counts it if it does not.
                 lost += ventry.pending_upload and vkey not in admission.uploading
         self._count_lost({"evicted": lost}, evicted=sum(len(a.victims) for a in admissions))
@@ -219,20 +231,49 @@ class NVMeCache:
 
     def evict(self, target_bytes: int) -> list[str]:
         """Evict least recently used chunks (uploaded ones first; never pinned ones) until the cache holds at
-        most ``target_bytes``; the keys evicted. The node agent's job; also the way out of a full disk."""
+        most ``target_bytes``; the keys evicted. The node agent's job; also the way out of a full disk.
+        CacheError when the disk is so full that not even the ballast's room lets the index commit."""
         self.flush()  # the touches buffered here count: what was just used stays
-        eviction = self._index.evict(max(0, target_bytes))
+        try:
+            eviction = self._index.evict(max(0, target_bytes))
+        except CacheError as exc:
+            # The disk is full (LMDB reports a short write as EIO): take the ballast's room for a commit small
+            # enough to fit in it. The files of its victims give room back; the next call evicts the rest.
+            if not (isinstance(exc, CacheFull) or self._space()[0] < _FULL_DISK_BYTES):
+                raise
+            if not self._ballast.release():
+                raise
+            eviction = self._index.evict(max(0, target_bytes), _FULL_DISK_VICTIMS)
+        self._unlink(eviction.victims)
         lost = 0
         for key, entry in eviction.victims:
-            self._files.unlink(key, entry.token)
             lost += entry.pending_upload and key not in eviction.uploading
         self._count_lost({"evicted": lost}, evicted=len(eviction.victims))
+        self._keep_ballast()
         return [key for key, _ in eviction.victims]
 
     def make_room(self, nbytes: int) -> list[str]:
         """Evict so that ``nbytes`` more fit in the effective budget (after a write found the disk full);
-        the keys evicted."""
-        return self.evict(self.effective_budget() - nbytes)
+        the keys evicted. Never raises: where nothing can be evicted the write that needed room fails."""
+        try:
+            evicted = self.evict(self.effective_budget() - nbytes)
+            if evicted and self.effective_budget() - nbytes < self.used_bytes():
+                evicted += self.evict(self.effective_budget() - nbytes)  # a first slice, on a full disk
+        except KVStoreError as exc:
+            log.warning("cannot make room in the NVMe cache: %s", exc)
+            return []
+        return evicted
+
+    def _keep_ballast(self) -> None:
+        """Release the ballast on a disk too full to write a page, put it back once there is room."""
+        try:
+            free, _ = self._space()
+            if free < _FULL_DISK_BYTES:
+                self._ballast.release()
+            else:
+                self._ballast.restore()
+        except (OSError, CacheError) as exc:
+            log.debug("cannot tend the ballast of %s: %s", self.directory, exc)
 
     def _space(self) -> tuple[int, int]:
         """(bytes free for this process, filesystem size) where the cache lives."""
@@ -353,8 +394,12 @@ class NVMeCache:
     # -- node-wide counters ------------------------------------------------------------------------------
 
     def add_counters(self, deltas: Mapping[str, int]) -> None:
-        """Add this process's increments to the node's counters (every process on the node adds its own)."""
-        self._index.add_counters({k: v for k, v in deltas.items() if v})
+        """Add this process's increments to the node's counters (every process on the node adds its own).
+        Figures only: on a full disk they are dropped."""
+        try:
+            self._index.add_counters({k: v for k, v in deltas.items() if v})
+        except CacheFull as exc:
+            log.debug("node counters dropped: %s", exc)
 
     def counters(self) -> dict[str, int]:
         """The node's counters: the sum of what every process on the node added."""
@@ -400,17 +445,20 @@ class NVMeCache:
         self._maybe_flush()
 
     def flush(self) -> None:
-        """Apply buffered touches now."""
+        """Apply buffered touches now (dropped on a full disk: they only order evictions)."""
         touches = self._take_touches()
         if touches:
-            self._index.apply_touches(touches)
+            try:
+                self._index.apply_touches(touches)
+            except CacheFull as exc:
+                log.debug("%d touches dropped: %s", len(touches), exc)
 
     def discard(self, key: str) -> bool:
         """Remove ``key`` (e.g. its checksum failed). True if it was cached."""
         entry = self._index.remove(key)
         if entry is None:
             return False
-        self._files.unlink(key, entry.token)
+        self._unlink([(key, entry)])
         if entry.pending_upload:
             with self._lock:
                 self._lost_uploads["discarded"] += 1
@@ -442,8 +490,11 @@ class NVMeCache:
         """Drop all but the newest ``keep`` changes (the node agent does, now and then), a slice per
         transaction so that no store waits long for the index; how many went."""
         dropped = 0
-        while (n := self._index.trim_changes(keep)) == TRIM_SLICE:
-            dropped += n
+        try:
+            while (n := self._index.trim_changes(keep)) == TRIM_SLICE:
+                dropped += n
+        except CacheFull:
+            return dropped  # the disk is full: trimmed another time
         return dropped + n
 
     # -- maintenance -------------------------------------------------------------------------------------
@@ -487,8 +538,28 @@ class NVMeCache:
     def _drop_stale(self, key: str, entry: Entry) -> None:
         # Token-guarded: if another process re-admitted the key meanwhile, its new entry survives.
         if self._index.remove(key, entry.token) is not None:
-            self._files.unlink(key, entry.token)  # a torn file (size mismatch) is still there
+            self._unlink([(key, entry)])  # a torn file (size mismatch) is still there
             self._count_lost({"lost": int(entry.pending_upload)})
+
+    def _unlink(self, dropped: Sequence[tuple[str, Entry]]) -> None:
+        """Delete the files of entries a committed transaction dropped."""
+        for key, entry in dropped:
+            self._files.unlink(key, entry.token)
+        self._index.unlinked((key, entry.token) for key, entry in dropped)
+
+    def _delete_unlinked(self) -> None:
+        """Delete the files whose entries were dropped by a process killed before it deleted them."""
+        try:
+            left = self._index.pending_unlinks()
+            for key, token in left:
+                self._files.unlink(key, token)
+            self._index.unlinked(left)
+            self._index.forget_unlinked()
+        except CacheError as exc:  # a full disk: they are deleted, and named again at the next open
+            log.warning("could not record the deletion of dropped chunk files: %s", exc)
+            return
+        if left:
+            log.info("deleted %d chunk files whose entries a process that is gone had dropped", len(left))
 
     def _maybe_flush(self) -> None:
         with self._lock:

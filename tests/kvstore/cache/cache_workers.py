@@ -5,13 +5,16 @@ children drive the cache as the product does: ``write_file`` + ``commit`` to adm
 ``forget`` when a file is gone (through ``tests.cache_helpers``).
 
 As a script: ``python cache_workers.py DIR SEED BUDGET`` admits, reads, discards and evicts chunks in a loop
-until killed; it prints ``ready`` once the cache is open.
+until killed; it prints ``ready`` once the cache is open. ``python cache_workers.py evict-and-die DIR N``
+admits N chunks, evicts them all and is killed right after the eviction's commit, before it deletes a file.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import random
+import signal
 import sys
 from pathlib import Path
 
@@ -124,5 +127,20 @@ def _crash_loop(directory: str, seed: int, budget: int) -> None:
             cache.evict(rng.randrange(budget))
 
 
+def _evict_and_die(directory: str, n: int) -> None:
+    cache = NVMeCache(directory, 1 << 30)
+    for i in range(n):
+        admit(cache, key_for(i), blob_for(key_for(i)))
+
+    def killed(*args: object, **kwargs: object) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)  # a kill -9 that lands between the commit and the deletions
+
+    os.unlink = killed  # type: ignore[assignment]
+    cache.evict(0)
+
+
 if __name__ == "__main__":
-    _crash_loop(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    if sys.argv[1] == "evict-and-die":
+        _evict_and_die(sys.argv[2], int(sys.argv[3]))
+    else:
+        _crash_loop(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

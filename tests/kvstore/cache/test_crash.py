@@ -123,3 +123,23 @@ def test_leftovers_of_killed_writers_are_reclaimed_at_open(cache_dir: Path) -> N
         assert reopened.fsck(orphan_min_age_s=60).clean  # the live writer's file is young
     alive.unlink()
     assert not list((cache_dir / "writers").iterdir()), "closed writers leave no marker"
+
+
+def test_files_of_an_eviction_cut_short_are_deleted_at_the_next_open(cache_dir: Path) -> None:
+    """The eviction's commit dropped the entries; the process died before it deleted one file. The next open
+    deletes them all, reading the short list the commit wrote (not scanning the cache)."""
+    child = subprocess.run(
+        [sys.executable, str(WORKER), "evict-and-die", str(cache_dir), "200"],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        timeout=120,
+    )
+    assert child.returncode == -signal.SIGKILL
+    files = [f for f in (cache_dir / "chunks").rglob("*") if f.is_file()]
+    assert len(files) == 200, "the eviction committed and deleted nothing"
+    with NVMeCache(cache_dir, CRASH_BUDGET) as cache:
+        assert cache.usage().entries == 0
+        assert not [f for f in files if f.exists()], "the next open deleted the evicted chunks' files"
+        report = cache.fsck()
+        assert report.clean and report.files == 0, report
+    with NVMeCache(cache_dir, CRASH_BUDGET) as cache:
+        assert cache._index.pending_unlinks() == [], "a healthy cache leaves nothing for the next open to do"

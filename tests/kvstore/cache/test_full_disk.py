@@ -3,6 +3,7 @@ cache keeps to the free space, warns at start, and a full disk makes it evict, n
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import subprocess
@@ -10,11 +11,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from kvstore.agent.node_agent import NodeAgent
 from kvstore.cache import NVMeCache, StagedFile
 from kvstore.chunk import encode
+from kvstore.engine import EngineThreads, TieredStore
 from kvstore.errors import CacheFull
+from kvstore.metrics import EngineMetrics
 from tests.cache_helpers import read_chunk
+from tests.engine_helpers import keys, load, payload
+from tests.helpers import wait_for
 
 DISK_MIB = 8
 CHUNK = 256 * 1024
@@ -105,3 +112,66 @@ def test_a_disk_smaller_than_the_budget_keeps_caching(
         assert cache.effective_budget() < total
         assert cache.fsck().clean
         assert not list(directory.rglob("*.tmp")), "no write cut short by the full disk left a file"
+
+
+def _fill_disk(mount: Path) -> Path:
+    """Another file takes every byte left on the disk."""
+    hog = mount / "hog"
+    fd = os.open(hog, os.O_WRONLY | os.O_CREAT, 0o600)
+    block = b"\0" * (64 << 10)
+    try:
+        while True:
+            try:
+                os.write(fd, block)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                if len(block) == 4096:
+                    return hog
+                block = block[: len(block) // 2]  # the last few pages
+    finally:
+        os.close(fd)
+
+
+def test_a_disk_another_file_filled_recovers(small_disk: Path) -> None:
+    """Another file fills the disk to the last byte: the cache still opens, its agent starts and evicts,
+    stores become misses instead of raising, and once the other file goes the node caches again (before:
+    "not usable: No space left on device", and eviction failed at LMDB's commit, for good)."""
+    directory = small_disk / "cache"
+    with NVMeCache(directory, 50 << 30) as cache:
+        engine = TieredStore(None, cache, threads=EngineThreads(disk_workers=2))  # no store: no uploads
+        before = keys(40, "before")
+        for first in range(0, 40, 8):
+            batch = before[first : first + 8]
+            assert engine.store_many([(k, payload(first + i)) for i, k in enumerate(batch)]).written == 8
+        hog = _fill_disk(small_disk)
+        assert _space(small_disk)[0] < 4096
+
+        NVMeCache(directory, 50 << 30).close()  # another process's open (its own probe) works
+        agent = NodeAgent(
+            cache,
+            None,
+            metrics=EngineMetrics(CollectorRegistry()),
+            threads=EngineThreads(),
+            pin_sync_s=0,
+            idle_priority=False,
+        )
+        agent.start()  # its status file needs a page, which the cache's ballast gave back
+        try:
+            during = keys(8, "during")
+            outcome = engine.store_many([(k, payload(100 + i)) for i, k in enumerate(during)])
+            assert outcome.written + outcome.failed == 8, "misses or stores, never an exception"
+            wait_for(
+                lambda: cache.used_bytes() <= 0.9 * cache.effective_budget() and _space(small_disk)[0] > 0,
+                what="the agent to evict down to what the other file leaves",
+            )
+            assert agent.running
+        finally:
+            agent.stop()
+
+        hog.unlink()
+        after = keys(8, "after")
+        assert engine.store_many([(k, payload(200 + i)) for i, k in enumerate(after)]).written == 8
+        assert load(engine, after) == [payload(200 + i) for i in range(8)]
+        engine.close()
+        assert cache.fsck().clean

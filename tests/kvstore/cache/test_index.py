@@ -11,7 +11,9 @@ import pytest
 from kvstore.cache import SCHEMA_VERSION, NVMeCache
 from kvstore.cache.index import CacheIndex
 from kvstore.cache.records import MAX_KEY_BYTES, Backlog, Change, ChangeKind, Entry, Eviction, encode_key
+from kvstore.chunk import stored_size
 from kvstore.errors import CacheError
+from tests.cache_helpers import admit_many
 
 
 def entry(size: int, ts: int) -> Entry:
@@ -64,6 +66,28 @@ def test_older_schema_is_refused_until_migrated(tmp_path: Path) -> None:
             txn.put(b"schema_version", struct.pack("<Q", SCHEMA_VERSION - 1), db=meta)
     with pytest.raises(CacheError, match="kvstore migrate"):
         NVMeCache(tmp_path, 1000)
+
+
+def chunk_key(i: int) -> str:
+    return f"llama_abc123def456_r0/abc/de_g0/{i:064x}.bin"
+
+
+def test_an_index_whose_last_pages_were_never_written_opens(tmp_path: Path) -> None:
+    """LMDB does not write the pages a transaction allocated at the end of the file and freed again before
+    it committed: the file may end before the last page its meta page counts. Those pages are free, nothing
+    reads them, and the index is sound (it was once refused as damaged)."""
+    unit = stored_size(100)
+    with NVMeCache(tmp_path, unit) as cache:
+        admit_many(cache, [(chunk_key(i), b"x" * 100) for i in range(301)])  # 300 evictions, then a close
+    data = tmp_path / "index" / "data.mdb"
+    with lmdb.open(str(tmp_path / "index"), max_dbs=16, readonly=True, lock=False) as env:
+        last_page = env.info()["last_pgno"]
+    assert (last_page + 1) * 4096 > data.stat().st_size, "the case itself: the file ends before its last page"
+    with NVMeCache(tmp_path, unit) as cache:
+        assert cache.contains_many([chunk_key(300)]) == [True] and cache.usage().entries == 1
+    os.truncate(data, 8192)  # a truncated file still is refused
+    with pytest.raises(CacheError, match="damaged"):
+        NVMeCache(tmp_path, unit)
 
 
 def queued(size: int, ts: int, at: int) -> Entry:

@@ -200,8 +200,7 @@ def test_a_cache_directory_removed_underneath_fails_as_a_cache_error(cache_dir: 
         shutil.rmtree(cache_dir)  # an operator cleared the disk under a running engine
         with pytest.raises(CacheError):
             cache.commit([staged])
-        with pytest.raises(CacheError):
-            cache.make_room(U)
+        assert cache.make_room(U) == [], "nothing evicted, nothing raised: the write that needed room fails"
 
 
 def test_non_str_key_is_rejected(cache: NVMeCache) -> None:
