@@ -1,12 +1,15 @@
-"""`kvstore bench vllm`: what the tier buys inside a real vLLM engine, against vLLM's own `fs` tier.
+"""`kvstore bench vllm`: what the tier buys inside a real vLLM engine, against vLLM's own tiers.
 
 TTFT of long prompts, in one run, when the prefix is
   - recomputed (no offloading),
   - loaded by vLLM's built-in `fs` tier (fresh engine, same directory),
   - loaded by KVStoreTier from the node's NVMe cache (fresh engine, same cache),
-  - loaded by KVStoreTier from the object store alone (fresh engine, empty cache: a new node).
+  - loaded by KVStoreTier from the object store alone (fresh engine, empty cache: a new node),
+  - loaded by vLLM's own object-store tier (`obj`, NIXL) from the same S3 server (fresh engine).
 Each engine first runs a short unrelated warm-up prompt, so TTFT excludes first-request effects; TTFT is
-the time of a `max_tokens=1` request, the median over the prompts.
+the time of a `max_tokens=1` request, the median over the prompts. The methods run in the order given (rotate
+it between runs: the machine warms up). For the methods that read a bucket, the S3 requests the server
+counted per chunk loaded; for our new node, where each request's time went (`kvstore.engine.timeline`).
 
 Also the scheduler-thread cost of the tier per step with 1000+ chunks in flight, measured outside the
 engine with vLLM's own job classes (everything the scheduler calls: lookup, submit, poll, events, stats).
@@ -20,6 +23,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,9 +33,22 @@ import numpy as np
 from kvstore.agent.supervisor import stop_agent
 from kvstore.agent.uploads import wait_uploaded
 from kvstore.cache import NVMeCache
+from kvstore.connector.bench.target import StoreTarget
 from kvstore.connector.configs import cpu_tiering_config
-from kvstore.connector.harness.engine_runner import run_engine
+from kvstore.connector.harness.engine_runner import EngineRun, run_engine
 from kvstore.connector.harness.tiny_model import build_tiny_model, sample_text
+from kvstore.engine import timeline as milestones
+from kvstore.engine.timeline import Episode, read_timelines
+
+TTFT_METHODS = ("recompute", "fs", "ours-nvme", "ours-bucket", "obj")
+DESCRIPTIONS = {
+    "recompute": "recompute",
+    "fs": "vLLM fs tier",
+    "ours-nvme": "KVStoreTier, NVMe hit",
+    "ours-bucket": "KVStoreTier, object store only (new node)",
+    "obj": "vLLM obj tier, object store (new engine)",
+}
+_TOKENS_PER_CHUNK = 128  # vLLM's CPU backend: one block per chunk
 
 
 @dataclass
@@ -41,6 +58,27 @@ class TTFTRow:
     cached_tokens: int
     speedup_vs_recompute: float = 0.0
     vs_fs_tier: float = 0.0
+    # Methods that read a bucket: what the S3 server was asked while the fresh engine ran (GET includes HEAD).
+    s3_get: float | None = None
+    s3_get_missing: float | None = None
+    s3_put: float | None = None
+    chunks_loaded: float = 0.0
+
+    @property
+    def gets_per_chunk(self) -> float | None:
+        if self.s3_get is None or not self.chunks_loaded:
+            return None
+        return self.s3_get / self.chunks_loaded
+
+
+@dataclass
+class Phase:
+    """One stretch of a new node's request: from a milestone to the next, median over the prompts."""
+
+    name: str
+    start_ms: float  # from the generate call
+    end_ms: float
+    cpu_ms: float  # CPU time of the whole engine process (vLLM and our threads) in the stretch
 
 
 @dataclass
@@ -58,7 +96,10 @@ class SchedulerCost:
 class VLLMReport:
     prompt_tokens: int
     prompts: int
+    methods: list[str] = field(default_factory=list)
     rows: list[TTFTRow] = field(default_factory=list)
+    timeline: list[Phase] = field(default_factory=list)  # our new node's request, phase by phase
+    timeline_counts: dict[str, float] = field(default_factory=dict)  # steps, lookups, jobs: medians
     scheduler: list[SchedulerCost] = field(default_factory=list)
 
     def to_json(self) -> str:
@@ -70,68 +111,168 @@ def _fill(model: Path, prompts: list[str], config: dict[str, Any], env: dict[str
     run_engine(model, prompts, kv_transfer_config=config, env=env, max_tokens=8, settle_s=2.0)
 
 
-def _ttft(
-    model: Path, prompts: list[str], config: dict[str, Any] | None, env: dict[str, str]
-) -> tuple[float, int]:
-    run = run_engine(
+def _ttft(model: Path, prompts: list[str], config: dict[str, Any] | None, env: dict[str, str]) -> EngineRun:
+    return run_engine(
         model, [sample_text(50, seed=999), *prompts], kv_transfer_config=config, env=env, max_tokens=1
     )
+
+
+def _row(method: str, run: EngineRun) -> TTFTRow:
     cached = [r.num_cached_tokens for r in run.results[1:]]
-    return statistics.median(run.generate_s[1:]), min(cached)
+    return TTFTRow(DESCRIPTIONS[method], statistics.median(run.generate_s[1:]), min(cached))
 
 
 def bench_ttft(
-    store_url: str,
-    endpoint: str | None,
-    credentials: dict[str, str],
+    target: StoreTarget,
     *,
     words: int = 5600,
     prompts: int = 3,
+    methods: Sequence[str] = TTFT_METHODS,
     workdir: Path | None = None,
-    progress: Any = print,
+    progress: Callable[[str], None] = print,
 ) -> VLLMReport:
+    unknown = sorted(set(methods) - set(TTFT_METHODS))
+    if unknown or "recompute" not in methods or "fs" not in methods:
+        raise ValueError(f"methods must include recompute and fs, from {', '.join(TTFT_METHODS)}")
     root = Path(tempfile.mkdtemp(prefix="kvstore-bench-vllm-", dir=workdir))
+    env = dict(target.env)
     try:
         model = build_tiny_model(root / "tiny-llama")
         texts = [sample_text(words, seed=100 + i) for i in range(prompts)]
         ours = {
             "type": "KVStoreTier",
             "module_path": "kvstore.connector.tier",
-            "store_url": f"{store_url.rstrip('/')}/ttft",
+            "store_url": f"{target.store_url.rstrip('/')}/ttft-{time.time_ns()}",
             "cache_dir": str(root / "nvme-a"),
         }
-        if endpoint:
-            ours["s3_endpoint"] = endpoint
-        fs = {"type": "fs", "root_dir": str(root / "fs")}
-
-        progress("recompute (no offloading)")
-        recompute, _ = _ttft(model, texts, None, credentials)
-        progress("vLLM fs tier: fill, then a fresh engine")
-        _fill(model, texts, cpu_tiering_config(fs), credentials)
-        fs_ttft, fs_cached = _ttft(model, texts, cpu_tiering_config(fs), credentials)
-        progress("KVStoreTier: fill, then a fresh engine on the same NVMe cache")
-        _fill(model, texts, cpu_tiering_config(ours), credentials)
-        nvme_ttft, nvme_cached = _ttft(model, texts, cpu_tiering_config(ours), credentials)
-        with NVMeCache(root / "nvme-a", 1 << 40) as cache:  # the node agent the tier started uploads them
-            wait_uploaded(cache, 600)
-        progress("KVStoreTier: a fresh node (empty NVMe cache, same bucket)")
-        fresh = {**ours, "cache_dir": str(root / "nvme-b")}
-        object_ttft, object_cached = _ttft(model, texts, cpu_tiering_config(fresh), credentials)
-
+        if target.endpoint:
+            ours["s3_endpoint"] = target.endpoint
         tokens = run_engine(model, [texts[0]], max_tokens=1).results[0].prompt_len
-        report = VLLMReport(prompt_tokens=tokens, prompts=prompts)
-        for method, ttft, cached in (
-            ("recompute", recompute, 0),
-            ("vLLM fs tier", fs_ttft, fs_cached),
-            ("KVStoreTier, NVMe hit", nvme_ttft, nvme_cached),
-            ("KVStoreTier, object store only", object_ttft, object_cached),
-        ):
-            report.rows.append(TTFTRow(method, ttft, cached, recompute / ttft, ttft / fs_ttft))
+        report = VLLMReport(prompt_tokens=tokens, prompts=prompts, methods=list(methods))
+        rows: dict[str, TTFTRow] = {}
+        for method in methods:
+            if method == "recompute":
+                progress("recompute (no offloading)")
+                rows[method] = _row(method, _ttft(model, texts, None, env))
+            elif method == "fs":
+                progress("vLLM fs tier: fill, then a fresh engine")
+                fs = cpu_tiering_config({"type": "fs", "root_dir": str(root / "fs")})
+                _fill(model, texts, fs, env)
+                rows[method] = _row(method, _ttft(model, texts, fs, env))
+            elif method == "ours-nvme":
+                progress("KVStoreTier: fill, then a fresh engine on the same NVMe cache")
+                _fill(model, texts, cpu_tiering_config(ours), env)
+                rows[method] = _row(method, _ttft(model, texts, cpu_tiering_config(ours), env))
+            elif method == "ours-bucket":
+                progress("KVStoreTier: a fresh node (empty NVMe cache, same bucket)")
+                if "ours-nvme" not in rows:
+                    _fill(model, texts, cpu_tiering_config(ours), env)
+                with NVMeCache(root / "nvme-a", 1 << 40) as cache:  # the node agent the tier started
+                    wait_uploaded(cache, 600)  # uploads them
+                path = root / "timeline.jsonl"
+                fresh = {**ours, "cache_dir": str(root / "nvme-b"), "timeline_path": str(path)}
+                rows[method], run = _counted(method, target, model, texts, cpu_tiering_config(fresh), env)
+                report.timeline, report.timeline_counts = phases(read_timelines(path)[-prompts:], run)
+            else:
+                progress("vLLM obj tier: fill, then a fresh engine")
+                entry, obj_env = target.obj_tier(f"ttft-obj-{time.time_ns()}")
+                _fill(model, texts, cpu_tiering_config(entry), obj_env)
+                rows[method], _ = _counted(method, target, model, texts, cpu_tiering_config(entry), obj_env)
+        recompute, fs_ttft = rows["recompute"].ttft_s, rows["fs"].ttft_s
+        for method in methods:
+            row = rows[method]
+            row.speedup_vs_recompute, row.vs_fs_tier = recompute / row.ttft_s, row.ttft_s / fs_ttft
+            report.rows.append(row)
         return report
     finally:
         for node in ("nvme-a", "nvme-b"):  # the node agents the tiers started outlive their engines
             stop_agent(root / node)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _counted(
+    method: str,
+    target: StoreTarget,
+    model: Path,
+    texts: list[str],
+    config: dict[str, Any],
+    env: dict[str, str],
+) -> tuple[TTFTRow, EngineRun]:
+    """The method's row from a fresh engine's TTFT run, with the S3 requests the server counted meanwhile."""
+    before = target.requests()
+    done = _ttft(model, texts, config, env)
+    after = target.requests()
+    row = _row(method, done)
+    if before is not None and after is not None:
+        asked = after - before
+        row.s3_get, row.s3_get_missing, row.s3_put = asked.get, asked.get_missing, asked.put
+        row.chunks_loaded = sum(r.num_cached_tokens for r in done.results[1:]) / _TOKENS_PER_CHUNK
+    return row, done
+
+
+# The stretches of a new node's request, each from its first milestone to its second (first or last time).
+_PHASES = (
+    ("scheduler's first lookups", None, (milestones.LOOKUP, "first")),
+    ("index read", (milestones.LOOKUP, "first"), (milestones.INDEX_READ, "first")),
+    ("first GET returned", (milestones.INDEX_READ, "first"), (milestones.GET_RETURNED, "first")),
+    ("all GETs returned", (milestones.GET_RETURNED, "first"), (milestones.GET_RETURNED, "last")),
+    ("last promotion reported", (milestones.GET_RETURNED, "last"), (milestones.LOAD_REPORTED, "last")),
+    ("first token", (milestones.LOAD_REPORTED, "last"), None),
+)
+
+
+def phases(episodes: list[Episode], run: EngineRun) -> tuple[list[Phase], dict[str, float]]:
+    """Median phases of a new node's requests (their episodes beside their generate calls), and median
+    counts: scheduler steps, lookups, promotion jobs, GETs."""
+    per_prompt: list[list[Phase]] = []
+    counts: dict[str, list[float]] = {}
+    for episode, (g0, g1) in zip(episodes, run.generate_at[1:], strict=False):
+        marks = episode.milestones
+        if any(m not in marks for m in (milestones.LOOKUP, milestones.INDEX_READ, milestones.LOAD_REPORTED)):
+            continue
+        per_prompt.append(_episode_phases(episode, g0, g1))
+        for name in (milestones.STEP, milestones.LOOKUP, milestones.LOAD_SUBMITTED, milestones.GET_RETURNED):
+            counts.setdefault(name, []).append(marks[name].count if name in marks else 0)
+    if not per_prompt:
+        return [], {}
+    merged = [
+        Phase(
+            per_prompt[0][i].name,
+            statistics.median(p[i].start_ms for p in per_prompt),
+            statistics.median(p[i].end_ms for p in per_prompt),
+            statistics.median(p[i].cpu_ms for p in per_prompt),
+        )
+        for i in range(min(map(len, per_prompt)))
+    ]
+    return merged, {name: statistics.median(values) for name, values in counts.items()}
+
+
+def _episode_phases(episode: Episode, g0: float, g1: float) -> list[Phase]:
+    """One request's phases; ``g0``, ``g1``: its generate call's start and end (the first token)."""
+    marks = episode.milestones
+    finished = marks.get(milestones.FINISHED)
+    cpu_end = finished.first_cpu_s if finished is not None else None
+
+    def at(point: tuple[str, str] | None, *, end: bool) -> tuple[float, float | None]:
+        if point is None:
+            return (g1, cpu_end) if end else (g0, None)
+        m = marks.get(point[0])
+        if m is None:
+            return (g0, None)
+        return (m.first_s, m.first_cpu_s) if point[1] == "first" else (m.last_s, m.last_cpu_s)
+
+    out: list[Phase] = []
+    for name, start, end in _PHASES:
+        t0, c0 = at(start, end=False)
+        t1, c1 = at(end, end=True)
+        cpu = (c1 - c0) * 1e3 if c0 is not None and c1 is not None else 0.0
+        out.append(Phase(name, (t0 - g0) * 1e3, (t1 - g0) * 1e3, cpu))
+    if cpu_end is not None:
+        cpu_start = marks[milestones.LOOKUP].first_cpu_s
+        out.append(
+            Phase("whole request (from the first lookup)", 0.0, (g1 - g0) * 1e3, (cpu_end - cpu_start) * 1e3)
+        )
+    return out
 
 
 def bench_scheduler(

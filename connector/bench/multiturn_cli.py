@@ -39,8 +39,8 @@ class MultiturnOptions:
     )
     conversations: str = option(default="2,4,8,16,32", help="Conversation counts to sweep, comma-separated")
     methods: str = option(
-        default="none,cpu,cpu+fs,cpu+ours,cpu+ours-file",
-        help="Methods: none, cpu, cpu+fs, cpu+ours (S3), cpu+ours-file",
+        default="none,cpu,cpu+fs,cpu+ours,cpu+ours-file,cpu+obj",
+        help="Methods: none, cpu, cpu+fs, cpu+ours (S3), cpu+ours-file, cpu+obj (vLLM's object tier, S3)",
     )
     model: Path | None = option(default=None, help="Model directory (default: the tiny model)")
     quick: bool = option(default=False, help="Two points (4 and 16 conversations): a few minutes")
@@ -114,8 +114,9 @@ def chat_run(
 @bench_command("multiturn", MultiturnOptions)
 def bench_multiturn(o: MultiturnOptions) -> None:
     """Multi-turn chat throughput through a real vLLM OpenAI server: no offloading vs CPU tier vs CPU + vLLM's
-    fs tier vs CPU + our tier, swept over the number of concurrent conversations (table, JSON, PNG)."""
-    from kvstore.connector.bench.multiturn import run_multiturn, write_outputs
+    fs tier vs CPU + our tier vs CPU + vLLM's object tier, swept over the number of concurrent conversations,
+    with the S3 requests each method made (table, JSON, PNG)."""
+    from kvstore.connector.bench.multiturn import S3_METHODS, run_multiturn, write_outputs
     from kvstore.connector.harness.multiturn import Workload
 
     try:
@@ -131,7 +132,7 @@ def bench_multiturn(o: MultiturnOptions) -> None:
         with chat_run(
             "multiturn",
             workload,
-            needs_store="cpu+ours" in methods,
+            needs_store=any(m in S3_METHODS for m in methods),
             model=o.model,
             engine_kv_mib=o.engine_kv_mib,
             cpu_mib=o.cpu_mib,
@@ -210,11 +211,33 @@ def _print(report: MultiturnReport, title: str, methods: list[str]) -> None:
             p.method,
             f"{engine:.1f}",
             f"{p.cpu_s.get('agent', 0.0):.1f}" if p.method in ("cpu+ours", "cpu+ours-file") else "-",
-            f"{p.cpu_s.get('s3-server', 0.0):.1f}" if p.method == "cpu+ours" else "-",
+            f"{p.cpu_s.get('s3-server', 0.0):.1f}" if "s3-server" in p.cpu_s else "-",
             "-" if p.journal_drain_s is None else f"{p.journal_drain_s:.1f}",
             "-" if p.drain_agent_cpu_s is None else f"{p.drain_agent_cpu_s:.1f}",
         )
     console.print(cpu)
+    economy = table(
+        "S3 requests counted at the server (GET includes HEAD), per chunk the storage tier loaded and stored",
+        ("conv", "method", "GET", "PUT", "LIST", "chunks loaded", "chunks stored", "GET hit/loaded",
+         "GET 404/request", "PUT/stored", "$ per 1M chunks"),
+    )  # fmt: skip
+    for p in points:
+        if not p.s3_requests:
+            continue
+        per = p.request_economy()
+        economy.add_row(
+            str(p.conversations),
+            p.method,
+            *(f"{p.s3_requests.get(k, 0.0):,.0f}" for k in ("get", "put", "list")),
+            f"{p.chunks_loaded:,.0f}",
+            f"{p.chunks_stored:,.0f}",
+            f"{per['get_per_chunk_loaded']:.2f}",
+            f"{per['missing_gets_per_request']:.2f}",
+            f"{per['put_per_chunk_stored']:.2f}",
+            f"{per['usd_per_million_chunks']:.2f}",
+        )
+    if economy.row_count:
+        console.print(economy)
     footprint = report.conversation_tokens
     console.print(
         f"A conversation's KV between turns: {footprint:,} tokens. The engine KV cache holds "
@@ -224,7 +247,7 @@ def _print(report: MultiturnReport, title: str, methods: list[str]) -> None:
     )
     for row in report.ratios():
         parts = [f"{row['conversations']} conversations: {row['method']}"]
-        for base in ("none", "cpu+fs"):
+        for base in ("none", "cpu+fs", "cpu+obj"):
             if row[f"vs_{base}"] is not None:
                 parts.append(f"{row[f'vs_{base}']:.2f}x {base}")
         console.print(", ".join(parts))

@@ -8,8 +8,11 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
 
 from kvstore.config import Settings
+from kvstore.connector.harness.s3_requests import RequestCounts, read_request_counts
 from kvstore.errors import KVStoreError
 from kvstore.runtime import EMBEDDED_BUCKET, open_object_store
 
@@ -27,10 +30,43 @@ class StoreTarget:
     server_pid: int | None = None  # a local S3 server's process, to account its CPU time
     access_key: str = ""
     secret_key: str = ""
+    metrics_url: str | None = None  # a local SeaweedFS's counters: the S3 requests a run made
 
     @property
     def is_s3(self) -> bool:
         return self.store_url.startswith("s3://")
+
+    def requests(self) -> RequestCounts | None:
+        """What the server was asked about this target's bucket so far (None: it cannot say)."""
+        if self.metrics_url is None:
+            return None
+        return read_request_counts(self.metrics_url, bucket=self.bucket_and_prefix[0])
+
+    def obj_tier(self, prefix: str) -> tuple[dict[str, Any], dict[str, str]]:
+        """vLLM's own object-store tier (`obj`, NIXL's OBJ plugin) on this target under ``prefix``: its
+        `secondary_tiers` entry and what its vLLM process needs in the environment. NIXL's agent dies at
+        its first finished transfer without telemetry, and its AWS SDK would probe EC2 metadata."""
+        bucket, run_prefix = self.bucket_and_prefix
+        endpoint = urlsplit(self.endpoint or "https://s3.amazonaws.com")
+        entry = {
+            "type": "obj",
+            "prefix": f"{run_prefix}/{prefix}".strip("/"),
+            "store_config": {
+                "bucket": bucket,
+                "endpoint_override": endpoint.netloc,
+                "access_key": self.access_key,
+                "secret_key": self.secret_key,
+                "region": "us-east-1",
+                "scheme": endpoint.scheme,
+            },
+        }
+        env = {
+            **self.env,
+            "NIXL_TELEMETRY_ENABLE": "y",
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_REGION": "us-east-1",
+        }
+        return entry, env
 
     @property
     def bucket_and_prefix(self) -> tuple[str, str]:
@@ -54,6 +90,7 @@ def bench_target(settings: Settings, name: str) -> Iterator[StoreTarget]:
                 server.pid,
                 server.access_key,
                 server.secret_key,
+                server.metrics_url,
             )
         else:
             yield StoreTarget(

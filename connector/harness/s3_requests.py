@@ -24,20 +24,22 @@ _TYPES = {"GET": "get", "HEAD": "get", "PUT": "put", "POST": "put", "LIST": "lis
 
 @dataclass(frozen=True)
 class RequestCounts:
-    """Requests by kind (a HEAD counts as a GET, as SeaweedFS counts it), any status."""
+    """Requests by kind (a HEAD counts as a GET, as SeaweedFS counts it), any status; and of the GETs, those
+    that found nothing (404: a probe of a chunk nobody stored)."""
 
     get: float = 0.0
     put: float = 0.0
     list: float = 0.0
     delete: float = 0.0
     other: float = 0.0
+    get_missing: float = 0.0
 
     def __sub__(self, earlier: RequestCounts) -> RequestCounts:
         return RequestCounts(*(getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)))
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self))
+        return self.get + self.put + self.list + self.delete + self.other
 
     def cost_usd(self) -> float:
         """What these requests cost at S3's list prices."""
@@ -65,4 +67,5 @@ def read_request_counts(
         counts[kind] += n
         seen += n
     counts["other"] = metric_total(snapshot, "SeaweedFS_s3_request_total", **labels) - seen
-    return RequestCounts(**counts)
+    missing = metric_total(snapshot, "SeaweedFS_s3_request_total", type="GET", code="404", **labels)
+    return RequestCounts(**counts, get_missing=missing)

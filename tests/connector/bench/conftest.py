@@ -35,4 +35,7 @@ def store_target(s3_server: Any, s3_store: Any) -> StoreTarget:
         f"s3://{s3_store.bucket}/{s3_store.prefix}",
         s3_server.endpoint,
         {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key},
+        access_key=s3_server.access_key,
+        secret_key=s3_server.secret_key,
+        metrics_url=s3_server.seaweed.metrics_url if s3_server.seaweed is not None else None,
     )

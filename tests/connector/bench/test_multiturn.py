@@ -24,6 +24,9 @@ pytestmark = pytest.mark.vllm
 def test_sweep_point_beyond_the_cpu_tier(
     tiny_model: Path, small_sizing: Sizing, store_target: StoreTarget, s3_store: Any, tmp_path: Path
 ) -> None:
+    """Our tier on S3 with an NVMe cache too small to keep anything (every load from the bucket), beside
+    vLLM's own object tier on the same server: both serve the history from storage, and the S3 server
+    counts what each asked for."""
     workload = Workload(
         conversations=0, context_tokens=512, turn_tokens=128, turns=3, output_tokens=4, concurrency=2
     )
@@ -33,29 +36,40 @@ def test_sweep_point_beyond_the_cpu_tier(
         workload=workload,
         conversations=[6],
         sizing=small_sizing,
-        methods=["cpu", "cpu+ours"],
+        methods=["cpu+ours", "cpu+obj"],
         store=store_target,
+        tier_options={"cache_bytes": 1 << 20},  # smaller than one conversation's chunks
         workdir=tmp_path,
         progress=lambda _msg: None,
         on_turn=turns_seen.append,
     )
     assert report.regime(6) == "beyond"
     assert len(turns_seen) == 2 * 6 * 3
-    cpu, ours = sorted(report.points, key=lambda p: p.method)
-    for point in (cpu, ours):
+    obj, ours = sorted(report.points, key=lambda p: p.method)
+    for point in (obj, ours):
         assert point.requests == 18
         assert point.prompt_tokens > 18 * 512
         assert point.prompt_tokens_per_s > 0 and point.requests_per_s > 0
         assert 0 < point.ttft_mean_s < point.wall_s and 0 < point.ttft_p90_s < point.wall_s
         assert abs(sum(point.token_share.values()) - 1.0) < 1e-6
-    assert cpu.token_share["disk"] == 0 and cpu.storage_hit_rate is None
-    assert ours.token_share["disk"] > 0
-    assert ours.storage_hit_rate is not None and ours.storage_hit_rate > 0
-    assert ours.kvstore_chunks["nvme"]["hits"] > 0
-    # Our tier's chunks went to the bucket, under the prefix it was given.
+        assert point.token_share["disk"] > 0
+        assert point.storage_hit_rate is not None and point.storage_hit_rate > 0
+        assert point.chunks_loaded > 0 and point.chunks_stored > 0
+        assert point.s3_requests["get"] > 0 and point.s3_requests["put"] > 0
+        assert point.request_economy()["usd_per_million_chunks"] > 0
+    assert ours.kvstore_chunks["object"]["hits"] > 0
+    # One GET per chunk loaded from the bucket (the NVMe admission reuses its bytes; a chunk the probe
+    # fetched that vLLM then did not promote, its tiny CPU tier full, is the rest); vLLM's object tier asks
+    # a HEAD and a GET. Probes of each turn's new chunks (absent until stored) find nothing.
+    assert ours.request_economy()["get_per_chunk_loaded"] <= 1.25
+    assert obj.request_economy()["get_per_chunk_loaded"] >= 1.5
+    assert ours.s3_requests["put"] <= 1.05 * ours.chunks_stored
+    # Each tier's chunks went to the bucket, under the prefix it was given.
     assert any(info.key.startswith("multiturn-") for info in s3_store.list())
+    assert any(info.key.startswith("multiturn-obj-") for info in s3_store.list())
 
     json_path, png_path = write_outputs(report, tmp_path / "out", "test")
     saved = json.loads(json_path.read_text())
-    assert {p["method"] for p in saved["points"]} == {"cpu", "cpu+ours"}
+    assert {p["method"] for p in saved["points"]} == {"cpu+obj", "cpu+ours"}
+    assert saved["points"][0]["s3_requests"]
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
