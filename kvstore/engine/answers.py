@@ -39,6 +39,12 @@ class AnswerCache:
         self._write_lock = threading.Lock()
         self._entries: dict[str, tuple[Presence, float]] = {}  # insertion order = eviction order
 
+    @property
+    def entries(self) -> dict[str, tuple[Presence, float]]:
+        """The answers themselves, key -> (answer, expiry on the cache's clock), for the scheduler's lookup,
+        which reads them inline (read-only: only this class writes them)."""
+        return self._entries
+
     def get(self, key: str) -> Presence | None:
         """A fresh answer, or None. Lock-free: a dict read is atomic, and writers replace whole tuples."""
         found = self._entries.get(key)

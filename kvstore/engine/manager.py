@@ -93,10 +93,18 @@ class TieredStore:
         self.codec = codec
         self.metrics = metrics or EngineMetrics.for_registry()
         self.threads = threads or EngineThreads()
-        # An NVMe answer lives as long as a chunk usually stays; the change log says sooner when it leaves.
+        # "On this node" lives as long as "in the bucket": the node's change log tells this engine when a chunk
+        # leaves (read a few times a second), and a stale answer costs a load a GET, never a wrong byte. Were
+        # it shorter, a conversation back after a pause would wait a probe for chunks this node holds.
         answers = AnswerCache(
-            local_ttl_s=30.0, remote_ttl_s=probe_hit_ttl_s, miss_ttl_s=probe_miss_ttl_s, clock=clock
+            local_ttl_s=probe_hit_ttl_s,
+            remote_ttl_s=probe_hit_ttl_s,
+            miss_ttl_s=probe_miss_ttl_s,
+            clock=clock,
         )
+        self._answer_entries = answers.entries
+        self._clock = clock
+        self._looked_up = [0, 0, 0]  # the step's lookup_cached answers: on NVMe, in the bucket, missing
         self._link = AgentLink(cache.directory)
         self._outcomes = Outcomes(
             store,
@@ -175,13 +183,25 @@ class TieredStore:
         the scheduler thread then waits for it behind whichever thread took it (1.4 ms a read, measured,
         beside one busy Python thread; under a microsecond alone). The probe thread reads the index for a
         whole batch instead, so a chunk on this node that this engine has not seen yet is a hit one step
-        later; what this engine stored or loaded it knows at once."""
-        found = self._outcomes.answer(key)
-        if found is None:
+        later; what this engine stored or loaded it knows at once.
+
+        vLLM asks about every chunk of a waiting request on every step, so this is the hottest call in the
+        tier: the answer is read inline, and it is counted in plain integers that the step's end
+        (`probe_prefixes` or `end_of_step`, the scheduler's thread too) adds to the metrics, once a step."""
+        entry = self._answer_entries.get(key)
+        if entry is None or self._clock() >= entry[1]:
             return Presence.PENDING
-        answer = Presence.MISS if found is Presence.REMOTE and not self.store_available else found
-        self._count(answer)
-        return answer
+        found = entry[0]
+        if found is Presence.LOCAL:
+            self._looked_up[0] += 1
+        elif found is Presence.MISS:
+            self._looked_up[2] += 1
+        elif self._outcomes.store_available:
+            self._looked_up[1] += 1
+        else:
+            self._looked_up[2] += 1
+            return Presence.MISS  # in the bucket, but the store is down: no load may wait on it
+        return found
 
     def needs_probe(self, key: str) -> bool:
         """Whether a PENDING key must be handed to the probe (a key already asked is not asked again)."""
@@ -194,8 +214,9 @@ class TieredStore:
 
     def probe_prefixes(self, chains: Sequence[Sequence[str]]) -> None:
         """Like `probe_async`, for the unknown keys of requests (one chain each, in token order): see
-        `kvstore.engine.prober`. Never blocks."""
+        `kvstore.engine.prober`. Never blocks. The scheduler calls it at the end of a step."""
         self._prober.probe_prefixes(chains)
+        self._count_lookups()
 
     def trace(self, timeline: Timeline | None) -> None:
         """Mark the probe's milestones into ``timeline`` (benchmarks; None: stop)."""
@@ -209,6 +230,22 @@ class TieredStore:
     def end_of_step(self) -> None:
         """The scheduler's step is over (see `Prober.end_of_step`)."""
         self._prober.end_of_step()
+        self._count_lookups()
+
+    def _count_lookups(self) -> None:
+        """The step's `lookup_cached` answers into the metrics (the scheduler's thread)."""
+        local, remote, miss = self._looked_up
+        if not local + remote + miss:
+            return
+        self._looked_up[:] = [0, 0, 0]
+        queries, hits = self.metrics.queries, self.metrics.hits
+        queries.inc("nvme", local + remote + miss)
+        if local:
+            hits.inc("nvme", local)
+        if self.store is not None and remote + miss:
+            queries.inc("object", remote + miss)
+            if remote:
+                hits.inc("object", remote)
 
     def _count(self, answer: Presence) -> None:
         if answer is Presence.PENDING:

@@ -276,6 +276,7 @@ def test_a_lookup_changes_nothing_but_its_counters(
     assert wait_answers(engine, names) == [Presence.REMOTE, Presence.MISS]
     for _ in range(3):
         assert [engine.lookup_cached(k) for k in names] == [Presence.REMOTE, Presence.MISS]
+        engine.end_of_step()  # the scheduler's step ends: its lookups are counted
     assert sample(metrics, "kvstore:chunk_hits_total", tier="object") >= 3
     assert engine.probes_in_flight == 0
 
