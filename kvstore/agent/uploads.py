@@ -3,12 +3,13 @@
 The NVMe cache is the write-behind queue (see ``kvstore.cache.index``, ``uploads``): a stored chunk is on
 NVMe and in the journal before its store job reports, so nothing is lost when the store is slow, down or
 rejecting writes, or when a process dies; the node agent picks up where it, or its predecessor, stopped. One
-loop claims a batch (a lease in the index: a claim whose holder died expires), PUTs it from the NVMe files on
-the upload threads, and records the outcome in one transaction, which also tells the node's engines (the
-change log). The agent runs at idle priority, so uploads take only what the engines leave of the CPU and the
-disk. Memory for uploads is one chunk per upload thread. A failed PUT opens the breaker and leaves the chunk
-in the journal, to be retried after the cooldown; a chunk evicted before its upload is counted
-(``kvstore:uploads_lost``).
+loop claims a batch (a lease in the index by the node's boot clock: a claim whose holder died is taken over at
+once, one whose holder hung expires), PUTs it from the NVMe files on the upload threads, and records the
+outcome in one transaction, which also tells the node's engines (the change log). The agent runs at idle
+priority, so uploads take only what the engines leave of the CPU and the disk. Memory for uploads is one
+chunk per upload thread. A failed PUT opens the breaker and leaves the chunk in the journal, to be retried
+after the cooldown; a chunk that left the cache before its upload is counted once for the node, by the
+transaction that settles it (``kvstore:uploads_lost`` here, the index's ``uploads_lost`` node-wide).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 
 from kvstore.cache import CachedChunk, NVMeCache
 from kvstore.engine import io
-from kvstore.engine.bad_chunks import nvme_copy_corrupt
+from kvstore.engine.bad_chunks import count_removals, nvme_copy_corrupt
 from kvstore.engine.breaker import Breaker
 from kvstore.engine.threads import EngineThreads
 from kvstore.errors import CacheClosed, CacheError, ChunkUnreadable, KVStoreError, StoreError
@@ -30,7 +31,7 @@ from kvstore.stores import ObjectStore
 log = logging.getLogger(__name__)
 
 _CLAIM = 64  # chunks per claim: one index transaction claims them, one records them
-_LEASE_S = 120.0  # a claim older than this is taken over (its process died, or hung)
+_LEASE_S = 120.0  # a claim older than this is taken over (its process hung; a dead one's at once)
 _IDLE_WAIT_S = 0.5
 _UNREADABLE_RETRY_S = 3600.0
 
@@ -95,17 +96,21 @@ class Uploader:
         if not claimed:
             return False
         outcomes = self._threads.map(self._threads.upload, self._threads.upload_workers, self._one, claimed)
-        kept = (_Outcome.DEFERRED, _Outcome.UNREADABLE)
-        done = [c.key for c, o in zip(claimed, outcomes, strict=True) if o not in kept]
-        deferred = [c.key for c, o in zip(claimed, outcomes, strict=True) if o is _Outcome.DEFERRED]
-        unreadable = [c.key for c, o in zip(claimed, outcomes, strict=True) if o is _Outcome.UNREADABLE]
-        if unreadable:
-            self._cache.finish_uploads((), unreadable, retry_in_s=_UNREADABLE_RETRY_S)
-        # A chunk evicted while claimed was not counted by its eviction: count it here unless it made it.
-        evicted = self._cache.finish_uploads(done, deferred, retry_in_s=self._cooldown)
-        evicted += [c.key for c, o in zip(claimed, outcomes, strict=True) if o is _Outcome.GONE]
-        if evicted:
-            self._metrics.uploads_lost.labels("evicted").inc(len(evicted))
+        by_outcome: dict[_Outcome, list[str]] = {o: [] for o in _Outcome}
+        for chunk, outcome in zip(claimed, outcomes, strict=True):
+            by_outcome[outcome].append(chunk.key)
+            if outcome is _Outcome.GONE:
+                self._cache.forget(chunk.key, chunk.path)  # an entry naming the vanished file goes too
+        if by_outcome[_Outcome.UNREADABLE]:
+            self._cache.finish_uploads((), by_outcome[_Outcome.UNREADABLE], retry_in_s=_UNREADABLE_RETRY_S)
+        deferred = by_outcome[_Outcome.DEFERRED]
+        # A chunk that left the cache while claimed waited on this upload: the index settles it, uploaded
+        # or lost, and counts what is lost once for the node.
+        gone = by_outcome[_Outcome.GONE] + by_outcome[_Outcome.DAMAGED]
+        self._cache.finish_uploads(
+            by_outcome[_Outcome.UPLOADED], deferred, retry_in_s=self._cooldown, gone=gone
+        )
+        count_removals(self._cache, self._metrics)
         if deferred:
             self._metrics.upload_retries.inc(len(deferred))
         return any(o is _Outcome.UPLOADED for o in outcomes)

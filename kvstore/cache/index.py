@@ -31,17 +31,18 @@ values stored and returned are in ``records.py``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import struct
 import threading
-import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 
 import lmdb
 
 from kvstore.cache import changelog, journal, unlinks
+from kvstore.cache.claims import Holder, Liveness, clock_ns, this_process
 from kvstore.cache.lmdb_env import DEFAULT_MAP_SIZE, INDEX_DIR, Shared, acquire, release, translate
 from kvstore.cache.records import Admission, Backlog, Change, ChangeKind, Entry, Eviction, encode_key
 from kvstore.errors import CacheClosed, CacheError
@@ -78,6 +79,7 @@ class CacheIndex:
         self._change_log_max = change_log_max
         self._unlinked: list[bytes] = []  # files this process deleted, forgotten by its next write
         self._unlinked_lock = threading.Lock()
+        self._lost: collections.Counter[str] = collections.Counter[str]()  # this process's share, by reason
         self._shared: Shared | None = acquire(self.path, map_size, max_readers, sync)
 
     def _db(self) -> Shared:
@@ -185,19 +187,27 @@ class CacheIndex:
         fsync) for a whole batch instead of one per chunk. A later entry may evict an earlier one of the same
         batch when the budget is that small; its victims say so."""
         s = self._db()
-        now = time.time_ns()
+        live, lost = Liveness(clock_ns()), collections.Counter[str]()
         with s.env.begin(write=True) as txn:
             self._forget_unlinked(txn, s)
             self._apply_touches(txn, s, touches)
             admissions = [
-                self._admit_one(txn, s, encode_key(key), entry, budget, now) for key, entry in items
+                self._admit_one(txn, s, encode_key(key), entry, budget, live, lost) for key, entry in items
             ]
             victims = [(vk.encode(), ve) for a in admissions for vk, ve in a.victims]
             self._log(txn, s, ChangeKind.EVICTED, [(vk, not ve.pending_upload) for vk, ve in victims])
+        self._add_lost(lost)
         return admissions
 
     def _admit_one(
-        self, txn: lmdb.Transaction[bytes], s: Shared, k: bytes, entry: Entry, budget: int, now: int
+        self,
+        txn: lmdb.Transaction[bytes],
+        s: Shared,
+        k: bytes,
+        entry: Entry,
+        budget: int,
+        live: Liveness,
+        lost: journal.Lost,
     ) -> Admission:
         if txn.get(k, db=s.entries) is not None:
             return Admission(False)
@@ -208,7 +218,7 @@ class CacheIndex:
             victims = self._pick_victims(txn, s, need)
             if sum(v.size for _, v in victims) < need:
                 return Admission(False)
-        uploading = self._drop_victims(txn, s, victims, now)
+        uploading = self._drop_victims(txn, s, victims, live, lost)
         used -= sum(ve.size for _, ve in victims)
         count -= len(victims)
         txn.put(k, entry.pack(), db=s.entries)
@@ -220,16 +230,21 @@ class CacheIndex:
         return Admission(True, tuple((vk.decode(), ve) for vk, ve in victims), frozenset(uploading))
 
     def _drop_victims(
-        self, txn: lmdb.Transaction[bytes], s: Shared, victims: list[tuple[bytes, Entry]], now: int
+        self,
+        txn: lmdb.Transaction[bytes],
+        s: Shared,
+        victims: list[tuple[bytes, Entry]],
+        live: Liveness,
+        lost: journal.Lost,
     ) -> set[str]:
         """Delete victims' entries, LRU and upload records (not the counters); returns those an uploader
-        holds."""
+        holds (adrift: its upload may still finish)."""
         uploading: set[str] = set()
         for vk, ve in victims:
             txn.delete(vk, db=s.entries)
             txn.delete(_lru_key(ve.last_access_ns, vk), db=s.lru)
             unlinks.add(txn, s, vk, ve.token)
-            if journal.unqueue(txn, s, vk, ve) > now:
+            if journal.leave(txn, s, vk, ve, "evicted", lost, live):
                 uploading.add(vk.decode())
         return uploading
 
@@ -240,17 +255,18 @@ class CacheIndex:
         The node agent calls this to keep usage below the budget, so admissions on the data path rarely
         evict."""
         s = self._db()
-        now = time.time_ns()
+        live, lost = Liveness(clock_ns()), collections.Counter[str]()
         with s.env.begin(write=True) as txn:
             self._forget_unlinked(txn, s)
             used, count = self._counters(txn, s)
             if used <= target_used:
                 return Eviction()
             victims = self._pick_victims(txn, s, used - target_used, max_victims)
-            uploading = self._drop_victims(txn, s, victims, now)
+            uploading = self._drop_victims(txn, s, victims, live, lost)
             freed = sum(ve.size for _, ve in victims)
             self._set_counters(txn, s, max(0, used - freed), max(0, count - len(victims)))
             self._log(txn, s, ChangeKind.EVICTED, [(vk, not ve.pending_upload) for vk, ve in victims])
+        self._add_lost(lost)
         return Eviction(tuple((vk.decode(), ve) for vk, ve in victims), frozenset(uploading))
 
     def _pick_victims(
@@ -308,29 +324,42 @@ class CacheIndex:
             txn.put(k, replace(entry, last_access_ns=ts).pack(), db=s.entries)
 
     @translate
-    def remove(self, key: str, token: bytes | None = None) -> Entry | None:
+    def remove(self, key: str, token: bytes | None = None, reason: str = "discarded") -> Entry | None:
         """Drop ``key``'s entry (only if its file token is ``token``, when given); returns the dropped entry.
+        One that waited for upload is lost for ``reason`` (see ``journal.py``).
 
         The token guard matters when a reader found a file missing: by the time it removes the stale entry,
         another process may have re-admitted the key under a new token, which must survive."""
-        k = encode_key(key)
-        s = self._db()
-        with s.env.begin(write=True) as txn:
-            entry = self._remove(txn, s, k, token)
-        return entry
+        removed = self.remove_many([(key, token)], reason)
+        return removed[0][1] if removed else None
 
     @translate
-    def remove_many(self, items: Iterable[tuple[str, bytes]]) -> list[tuple[str, Entry]]:
+    def remove_many(
+        self, items: Iterable[tuple[str, bytes | None]], reason: str = "fsck"
+    ) -> list[tuple[str, Entry]]:
+        """``remove`` for several keys in one write transaction; the (key, entry) dropped."""
+        keys = [(key, encode_key(key), token) for key, token in items]
         s = self._db()
+        live, lost = Liveness(clock_ns()), collections.Counter[str]()
         removed: list[tuple[str, Entry]] = []
         with s.env.begin(write=True) as txn:
-            for key, token in items:
-                entry = self._remove(txn, s, key.encode(), token)
+            for key, k, token in keys:
+                entry = self._remove(txn, s, k, token, reason, live, lost)
                 if entry is not None:
                     removed.append((key, entry))
+        self._add_lost(lost)
         return removed
 
-    def _remove(self, txn: lmdb.Transaction[bytes], s: Shared, k: bytes, token: bytes | None) -> Entry | None:
+    def _remove(
+        self,
+        txn: lmdb.Transaction[bytes],
+        s: Shared,
+        k: bytes,
+        token: bytes | None,
+        reason: str,
+        live: Liveness,
+        lost: journal.Lost,
+    ) -> Entry | None:
         raw = txn.get(k, db=s.entries)
         if raw is None:
             return None
@@ -340,11 +369,23 @@ class CacheIndex:
         txn.delete(k, db=s.entries)
         txn.delete(_lru_key(entry.last_access_ns, k), db=s.lru)
         unlinks.add(txn, s, k, entry.token)
-        journal.unqueue(txn, s, k, entry)
+        journal.leave(txn, s, k, entry, reason, lost, live)
         used, count = self._counters(txn, s)
         self._set_counters(txn, s, max(0, used - entry.size), max(0, count - 1))
         self._log(txn, s, ChangeKind.REMOVED, [(k, not entry.pending_upload)])
         return entry
+
+    def take_lost(self) -> dict[str, int]:
+        """Chunks this process's transactions settled as lost before their upload since the last call, by
+        reason (the node's total is the ``uploads_lost`` counter)."""
+        with self._unlinked_lock:
+            lost, self._lost = dict(self._lost), collections.Counter[str]()
+        return lost
+
+    def _add_lost(self, lost: journal.Lost) -> None:
+        if lost:
+            with self._unlinked_lock:
+                self._lost.update(lost)
 
     # -- files of dropped entries ------------------------------------------------------------------------
 
@@ -402,26 +443,33 @@ class CacheIndex:
     # -- the upload journal ------------------------------------------------------------------------------
 
     @translate
-    def claim_uploads(self, limit: int, now_ns: int, lease_ns: int) -> list[tuple[str, Entry]]:
-        """Up to `limit` queued chunks, oldest first, that nobody holds (not-before time passed), each now
-        held by the caller until `now_ns + lease_ns`. One write transaction, so two processes never claim
-        the same chunk while a lease lasts."""
+    def claim_uploads(
+        self, limit: int, now_ns: int, lease_ns: int, holder: Holder | None = None
+    ) -> list[tuple[str, Entry]]:
+        """Up to `limit` queued chunks, oldest first, that no live claim holds, each now held by `holder`
+        (this process) until `now_ns + lease_ns` by the boot clock (``claims.py``). One write transaction, so
+        two processes never claim the same chunk while a claim holds."""
         s = self._db()
+        lost = collections.Counter[str]()
         with s.env.begin(write=True) as txn:
-            return journal.claim(txn, s, limit, now_ns, lease_ns)
+            claimed = journal.claim(txn, s, limit, now_ns, lease_ns, holder or this_process(), lost)
+        self._add_lost(lost)
+        return claimed
 
     @translate
     def finish_uploads(
-        self, done: Iterable[str], retry: Iterable[str] = (), retry_at_ns: int = 0
+        self, done: Iterable[str], retry: Iterable[str] = (), retry_at_ns: int = 0, gone: Iterable[str] = ()
     ) -> list[str]:
-        """Record finished uploads (the chunk is in the object store now) and failed ones (claimable again
-        from `retry_at_ns` on), in one write transaction. Returns the failed ones that left the cache
-        meanwhile: nothing holds them any more, they will never be uploaded."""
+        """Record an uploader's outcomes in one write transaction: `done` is in the object store now, `retry`
+        failed and is claimable again from `retry_at_ns` (boot clock), `gone` will never be uploaded (its
+        file went or is damaged). Returns the keys that left the cache meanwhile and are counted lost now."""
         s = self._db()
+        lost = collections.Counter[str]()
         with s.env.begin(write=True) as txn:
-            uploaded, gone = journal.finish(txn, s, done, retry, retry_at_ns)
+            uploaded, lost_keys = journal.finish(txn, s, done, retry, gone, retry_at_ns, lost)
             self._log(txn, s, ChangeKind.UPLOADED, [(k, True) for k in uploaded])
-        return gone
+        self._add_lost(lost)
+        return lost_keys
 
     # -- the change log -----------------------------------------------------------------------------------
 

@@ -46,7 +46,18 @@ INDEX_DIR = "index"
 DEFAULT_MAP_SIZE = 64 << 30  # sparse: LMDB only grows the file as pages are used
 _U64 = struct.Struct("<Q")
 _SCHEMA_KEY = b"schema_version"
-_DB_NAMES = (b"entries", b"lru", b"pins", b"uploads", b"meta", b"counters", b"changes", b"unlinks")
+_DB_NAMES = (
+    b"entries",
+    b"lru",
+    b"pins",
+    b"uploads",
+    b"meta",
+    b"counters",
+    b"changes",
+    b"unlinks",
+    b"claims",
+    b"adrift",
+)
 # Room for the tables of later releases: a handle needs a slot for each table it opens.
 _MAX_DBS = 16
 
@@ -83,6 +94,8 @@ class Shared:
     counters: lmdb._Database
     changes: lmdb._Database
     unlinks: lmdb._Database
+    claims: lmdb._Database
+    adrift: lmdb._Database
     pid: int
     refs: int = 0
 
@@ -113,6 +126,8 @@ def _open_shared(path: str, map_size: int, max_readers: int, sync: bool) -> Shar
             counters=db["counters"],
             changes=db["changes"],
             unlinks=db["unlinks"],
+            claims=db["claims"],
+            adrift=db["adrift"],
             pid=os.getpid(),
         )
         _check_schema(shared, path)

@@ -31,11 +31,12 @@ that check. ``read_into`` reports what it found and changes nothing; the caller 
 corrupt copies and counts them).
 
 The upload journal: a chunk admitted with ``pending_upload`` is recorded as not yet in the object store.
-Uploaders ``claim_uploads`` (a lease, so several processes could share the work), read the file
-(``read_stored``) and ``finish_uploads``. A pending chunk evicted or discarded first is counted by reason
-(``take_removals``, with the evictions this process made). Evictions, removals and finished uploads are
-appended to the node's change log (``changes_since``), from which every engine on the node makes its KV
-events.
+Uploaders ``claim_uploads`` (a lease by the node's boot clock, taken over at once when its holder died), read
+the file (``read_stored``) and ``finish_uploads``. A pending chunk that leaves the cache first is counted
+lost exactly once for the node (the index's ``uploads_lost`` counter), by the transaction that settles it;
+each process learns its own share by reason (``take_removals``, with the evictions this process made).
+Evictions, removals and finished uploads are appended to the node's change log (``changes_since``), from
+which every engine on the node makes its KV events.
 
 Threading: all methods may be called from several threads. ``touch`` only buffers LRU updates in memory; the
 buffer is applied in one write transaction by the next commit, by ``flush``, when it grows past
@@ -44,7 +45,6 @@ buffer is applied in one write transaction by the next commit, by ``flush``, whe
 
 from __future__ import annotations
 
-import collections
 import errno
 import logging
 import os
@@ -56,6 +56,7 @@ from types import TracebackType
 
 from kvstore.cache.ballast import Ballast
 from kvstore.cache.changelog import MAX_CHANGES, TRIM_SLICE
+from kvstore.cache.claims import clock_ns
 from kvstore.cache.files import ChunkFiles, new_token
 from kvstore.cache.fsck import FsckReport, check
 from kvstore.cache.index import CacheIndex
@@ -139,7 +140,6 @@ class NVMeCache:
         self._lock = threading.Lock()  # guards the buffers below, never held across I/O
         self._touches: dict[str, int] = {}
         self._touches_since = time.monotonic_ns()
-        self._lost_uploads: collections.Counter[str] = collections.Counter()
         self._evicted = 0
         self._closed = False
         self._ballast = Ballast(directory)
@@ -200,7 +200,6 @@ class NVMeCache:
             self.abandon(staged)
             raise
         admitted = [False] * len(staged)
-        lost = 0
         for i, (item, admission) in enumerate(zip(staged, admissions, strict=True)):
             if admission.admitted:
                 admitted[i] = True
@@ -208,10 +207,7 @@ class NVMeCache:
                 # Lost a race with another process admitting the same key, or no room: our file is nobody's.
                 self._files.unlink_path(item.path)
             self._unlink(admission.victims)
-            for vkey, ventry in admission.victims:
-                # One an uploader holds may still make it; the uploader counts it if it does not.
-                lost += ventry.pending_upload and vkey not in admission.uploading
-        self._count_lost({"evicted": lost}, evicted=sum(len(a.victims) for a in admissions))
+        self._count_evicted(sum(len(a.victims) for a in admissions))
         return admitted
 
     def abandon(self, staged: Iterable[StagedFile]) -> None:
@@ -245,10 +241,7 @@ class NVMeCache:
                 raise
             eviction = self._index.evict(max(0, target_bytes), _FULL_DISK_VICTIMS)
         self._unlink(eviction.victims)
-        lost = 0
-        for key, entry in eviction.victims:
-            lost += entry.pending_upload and key not in eviction.uploading
-        self._count_lost({"evicted": lost}, evicted=len(eviction.victims))
+        self._count_evicted(len(eviction.victims))
         self._keep_ballast()
         return [key for key, _ in eviction.victims]
 
@@ -408,16 +401,24 @@ class NVMeCache:
     # -- the upload journal ------------------------------------------------------------------------------
 
     def claim_uploads(self, limit: int, *, lease_s: float = 60.0) -> list[CachedChunk]:
-        """Up to ``limit`` chunks waiting for upload, oldest first, held by this caller for ``lease_s``."""
-        claimed = self._index.claim_uploads(limit, time.time_ns(), int(lease_s * 1e9))
+        """Up to ``limit`` chunks waiting for upload, oldest first, held by this process for ``lease_s`` (or
+        until it dies: another process then takes them over at once)."""
+        claimed = self._index.claim_uploads(limit, clock_ns(), int(lease_s * 1e9))
         return [self._located(key, entry) for key, entry in claimed]
 
     def finish_uploads(
-        self, done: Iterable[str], failed: Iterable[str] = (), retry_in_s: float = 0.0
+        self,
+        done: Iterable[str],
+        failed: Iterable[str] = (),
+        retry_in_s: float = 0.0,
+        *,
+        gone: Iterable[str] = (),
     ) -> list[str]:
-        """Mark chunks uploaded, and make failed ones claimable again after ``retry_in_s``; returns the failed
-        ones that were evicted meanwhile (never to be uploaded: count them lost)."""
-        return self._index.finish_uploads(done, failed, time.time_ns() + int(retry_in_s * 1e9))
+        """Mark chunks uploaded; make failed ones claimable again after ``retry_in_s``; ``gone``: claimed
+        chunks that will never be uploaded (their file went, or was damaged). Returns the chunks counted
+        lost now: those that left the cache while claimed and did not make it (``take_removals`` counts them
+        too)."""
+        return self._index.finish_uploads(done, failed, clock_ns() + int(retry_in_s * 1e9), gone)
 
     def backlog(self) -> Backlog:
         """Chunks, bytes and the oldest queue time of what waits for upload (every process's)."""
@@ -427,8 +428,8 @@ class NVMeCache:
         """What this process's calls removed since the last call: chunks evicted, and chunks that left the
         cache before their upload, by reason (``evicted``, ``discarded``, ``fsck``, ``lost``)."""
         with self._lock:
-            lost, self._lost_uploads = dict(self._lost_uploads), collections.Counter()
             evicted, self._evicted = self._evicted, 0
+        lost = self._index.take_lost()
         return Removals(evicted, {reason: n for reason, n in lost.items() if n})
 
     # -- LRU, removal, pins ------------------------------------------------------------------------------
@@ -455,13 +456,10 @@ class NVMeCache:
 
     def discard(self, key: str) -> bool:
         """Remove ``key`` (e.g. its checksum failed). True if it was cached."""
-        entry = self._index.remove(key)
+        entry = self._index.remove(key, reason="discarded")
         if entry is None:
             return False
         self._unlink([(key, entry)])
-        if entry.pending_upload:
-            with self._lock:
-                self._lost_uploads["discarded"] += 1
         return True
 
     def pin(self, keys: Iterable[str]) -> None:
@@ -512,7 +510,6 @@ class NVMeCache:
             verify_checksums=verify_checksums,
             orphan_min_age_s=orphan_min_age_s,
         )
-        self._count_lost({"fsck": report.lost_uploads})
         return report
 
     def close(self) -> None:
@@ -537,9 +534,8 @@ class NVMeCache:
 
     def _drop_stale(self, key: str, entry: Entry) -> None:
         # Token-guarded: if another process re-admitted the key meanwhile, its new entry survives.
-        if self._index.remove(key, entry.token) is not None:
+        if self._index.remove(key, entry.token, reason="lost") is not None:
             self._unlink([(key, entry)])  # a torn file (size mismatch) is still there
-            self._count_lost({"lost": int(entry.pending_upload)})
 
     def _unlink(self, dropped: Sequence[tuple[str, Entry]]) -> None:
         """Delete the files of entries a committed transaction dropped."""
@@ -575,11 +571,9 @@ class NVMeCache:
             self._touches_since = time.monotonic_ns()
         return touches
 
-    def _count_lost(self, lost_uploads: dict[str, int], *, evicted: int = 0) -> None:
+    def _count_evicted(self, n: int) -> None:
         with self._lock:
-            self._evicted += evicted
-            for reason, n in lost_uploads.items():
-                self._lost_uploads[reason] += n
+            self._evicted += n
 
 
 def _queued(entry: Entry, queued_ns: int) -> Entry:

@@ -58,6 +58,7 @@ class NodeCounters:
             for field in FIELDS:
                 out[counter_name(tier, field)] = int(getattr(figures, field))
         out["stores_dropped"] = int(snapshot.stores_dropped)
-        out["uploads_lost"] = int(snapshot.uploads_lost)
+        # Not uploads_lost: the index counts it itself, in the transaction that settles each lost chunk,
+        # so a process that dies before it publishes cannot leave the node's figure short.
         out["nvme_evictions"] = int(snapshot.evictions)
         return out

@@ -2,16 +2,15 @@ from __future__ import annotations
 
 import os
 import struct
-import time
 from pathlib import Path
 
 import lmdb
 import pytest
 
 from kvstore.cache import SCHEMA_VERSION, NVMeCache
+from kvstore.cache.claims import clock_ns
 from kvstore.cache.index import CacheIndex
 from kvstore.cache.records import MAX_KEY_BYTES, Backlog, Change, ChangeKind, Entry, Eviction, encode_key
-from kvstore.chunk import stored_size
 from kvstore.errors import CacheError
 from tests.cache_helpers import admit_many
 
@@ -68,26 +67,33 @@ def test_older_schema_is_refused_until_migrated(tmp_path: Path) -> None:
         NVMeCache(tmp_path, 1000)
 
 
-def chunk_key(i: int) -> str:
-    return f"llama_abc123def456_r0/abc/de_g0/{i:064x}.bin"
+def _leave_pages_unwritten(index_dir: Path, n: int = 2000) -> bool:
+    """Insert `n` records in one transaction and delete them in the next, as an eviction's file names are:
+    the second allocates pages at the end of the file and frees them again before it commits. Whether the
+    file now ends before the last page its meta page counts."""
+    with lmdb.open(str(index_dir), max_dbs=16) as env:
+        scratch = env.open_db(b"scratch")  # a table of its own: the cache's tables are left as they were
+        with env.begin(write=True) as txn:
+            for i in range(n):
+                txn.put(b"%08d" % i + b"k" * 72, b"v" * 60, db=scratch)
+        with env.begin(write=True) as txn:
+            for i in range(n):
+                txn.delete(b"%08d" % i + b"k" * 72, db=scratch)
+        return (env.info()["last_pgno"] + 1) * 4096 > (index_dir / "data.mdb").stat().st_size
 
 
 def test_an_index_whose_last_pages_were_never_written_opens(tmp_path: Path) -> None:
     """LMDB does not write the pages a transaction allocated at the end of the file and freed again before
-    it committed: the file may end before the last page its meta page counts. Those pages are free, nothing
-    reads them, and the index is sound (it was once refused as damaged)."""
-    unit = stored_size(100)
-    with NVMeCache(tmp_path, unit) as cache:
-        admit_many(cache, [(chunk_key(i), b"x" * 100) for i in range(301)])  # 300 evictions, then a close
-    data = tmp_path / "index" / "data.mdb"
-    with lmdb.open(str(tmp_path / "index"), max_dbs=16, readonly=True, lock=False) as env:
-        last_page = env.info()["last_pgno"]
-    assert (last_page + 1) * 4096 > data.stat().st_size, "the case itself: the file ends before its last page"
-    with NVMeCache(tmp_path, unit) as cache:
-        assert cache.contains_many([chunk_key(300)]) == [True] and cache.usage().entries == 1
-    os.truncate(data, 8192)  # a truncated file still is refused
+    it committed (they are listed as free): the file may end before the last page its meta page counts. The
+    index is sound, nothing reads those pages, and it was once refused as damaged."""
+    with NVMeCache(tmp_path, 1 << 20) as cache:
+        assert admit_many(cache, [("k", b"x" * 100)]) == [True]
+    assert _leave_pages_unwritten(tmp_path / "index"), "the case itself: the file ends before its last page"
+    with NVMeCache(tmp_path, 1 << 20) as cache:
+        assert cache.contains_many(["k"]) == [True]
+    os.truncate(tmp_path / "index" / "data.mdb", 8192)  # a truncated file still is refused
     with pytest.raises(CacheError, match="damaged"):
-        NVMeCache(tmp_path, unit)
+        NVMeCache(tmp_path, 1 << 20)
 
 
 def queued(size: int, ts: int, at: int) -> Entry:
@@ -244,11 +250,38 @@ def test_evict_reports_the_victims_an_uploader_holds(tmp_path: Path) -> None:
     index = CacheIndex(tmp_path)
     try:
         index.admit_many([("a", queued(10, 1, 100)), ("b", queued(10, 2, 200)), ("c", entry(10, 3))], 100, {})
-        assert [k for k, _ in index.claim_uploads(1, now_ns=time.time_ns(), lease_ns=60 * 10**9)] == ["a"]
+        assert [k for k, _ in index.claim_uploads(1, now_ns=clock_ns(), lease_ns=60 * 10**9)] == ["a"]
         eviction = index.evict(0)
         assert [k for k, _ in eviction.victims] == ["c", "a", "b"], "uploaded first, then the oldest"
         assert eviction.uploading == frozenset({"a"})
         assert index.backlog() == Backlog(chunks=0, bytes=0, oldest_queued_ns=0)
         assert index.audit() == (0, 0, 0, 0, 0)
+    finally:
+        index.close()
+
+
+def test_a_chunk_evicted_while_claimed_is_settled_by_its_upload(tmp_path: Path) -> None:
+    """Evicted while an uploader holds it: neither lost nor safe until the upload says (the node's count
+    and the change log follow)."""
+    index = CacheIndex(tmp_path)
+    try:
+        index.admit_many(
+            [("a", queued(10, 1, 100)), ("b", queued(10, 2, 200)), ("c", queued(10, 3, 300))], 100, {}
+        )
+        assert [k for k, _ in index.claim_uploads(2, now_ns=clock_ns(), lease_ns=60 * 10**9)] == ["a", "b"]
+        seq = index.change_seq()
+        assert index.evict(0).uploading == frozenset({"a", "b"})
+        assert index.read_counters() == {"uploads_lost": 1}, "c: nobody held it"
+        assert index.finish_uploads(["a"], gone=["b"]) == ["b"]
+        assert index.read_counters() == {"uploads_lost": 2}
+        assert index.take_lost() == {"evicted": 2}
+        assert [(c.kind, c.key, c.uploaded) for c in index.changes_since(seq)] == [
+            (ChangeKind.EVICTED, "a", False),
+            (ChangeKind.EVICTED, "b", False),
+            (ChangeKind.EVICTED, "c", False),
+            (ChangeKind.UPLOADED, "a", True),
+        ]
+        assert index.finish_uploads(["b"], gone=["a"]) == [], "settled once"
+        assert index.read_counters() == {"uploads_lost": 2}
     finally:
         index.close()
