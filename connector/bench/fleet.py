@@ -6,9 +6,11 @@ directory (nodes share no disk). Methods, each on fresh servers and directories:
 
 - `fs-rr`: round-robin, vLLM's `fs` tier on each node (two separate directories);
 - `ours-rr`: round-robin, KVStoreTier on each node (its own NVMe cache and node agent), one shared bucket;
-- `ours-aware`: KVStoreTier as above, each turn sent to the server NVIDIA Dynamo's KV indexer credits most
-  (engines publish KV events, the tier's included; tiers weighted as Dynamo's router weighs them, see
-  `harness.routed`).
+- `ours-aware`: KVStoreTier as above, each turn sent where NVIDIA Dynamo's KV indexer's credit and the
+  servers' load together make it cheapest, as Dynamo's router decides (engines publish KV events, the tier's
+  included; tiers weighted as Dynamo's router weighs them, see `harness.routed`);
+- `obj-rr`: round-robin, vLLM's own object-store tier (`obj`, NIXL) on each node, the same S3 server and a
+  shared prefix: the direct peer of `ours-rr`.
 
 Round-robin sends a conversation's turns to the two nodes in turn: with `fs`, a node can reuse only what it
 computed itself two turns earlier; with ours, the other node's last turn is in the bucket once its node agent
@@ -19,9 +21,10 @@ client sees it (routing included), where the prompt tokens came from (`vllm:prom
 engine, CPU tier, storage; the storage part split between our NVMe and the bucket by our tier's chunk hits),
 cross-node chunks (chunks a node fetched from the bucket that the other node uploaded, from each node's
 change log and NVMe cache), CPU seconds per process (each server's process group, each node agent, the S3
-server, the indexer, this client) and, for ours, how long the upload journals took to drain after the last
-turn. Sizing as in multiturn: each node's engine KV cache and CPU tier too small for the conversations, so
-turns must come from storage; the NVMe cache large enough never to evict (as a node's disk would be).
+server, the indexer, this client), for the methods on S3 the requests the server counted per chunk loaded
+and stored, and, for ours, how long the upload journals took to drain after the last turn. Sizing as in
+multiturn: each node's engine KV cache and CPU tier too small for the conversations, so turns must come from
+storage; the NVMe cache large enough never to evict (as a node's disk would be).
 
 This module runs the methods, one after the other, each on nodes `fleet_nodes` sets up; `fleet_report` works
 out the figures and writes the report; `fleet_cli` is the command.
@@ -42,8 +45,9 @@ from typing import Any
 from kvstore.agent.uploads import wait_uploaded
 from kvstore.cache import ChangeKind, NVMeCache
 from kvstore.connector.bench.fleet_nodes import NODES, Nodes, cpu_delta, node_cpus
-from kvstore.connector.bench.fleet_report import FleetReport, MethodResult, method_result
+from kvstore.connector.bench.fleet_report import FleetReport, MethodResult, method_result, tier_chunks
 from kvstore.connector.bench.multiturn import Sizing, conversation_tokens
+from kvstore.connector.bench.outputs import redact_logs
 from kvstore.connector.bench.target import StoreTarget
 from kvstore.connector.harness.multiturn import Workload, replay
 from kvstore.connector.harness.routed import RoutedTurn, Router, replay_routed
@@ -53,13 +57,15 @@ from kvstore.connector.harness.vllm_server import VLLMServer
 
 __all__ = ["DESCRIPTIONS", "METHODS", "run_fleet"]
 
-METHODS = ("fs-rr", "ours-rr", "ours-aware")
+METHODS = ("fs-rr", "ours-rr", "ours-aware", "obj-rr")
 DESCRIPTIONS = {
     "fs-rr": "round-robin, vLLM fs tier per node",
     "ours-rr": "round-robin, ours (shared bucket)",
-    "ours-aware": "cache-aware (Dynamo indexer), ours",
+    "ours-aware": "cache- and load-aware (Dynamo indexer), ours",
+    "obj-rr": "round-robin, vLLM obj tier (shared bucket)",
 }
 _OURS = ("ours-rr", "ours-aware")
+_S3 = (*_OURS, "obj-rr")
 _SETTLE_S = 2.0  # admissions are done once the NVMe caches stopped growing this long
 
 
@@ -90,8 +96,8 @@ def run_fleet(
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
-    if store is None and any(m in _OURS for m in methods):
-        raise ValueError("methods with our tier need a store target")
+    if store is None and any(m in _S3 for m in methods):
+        raise ValueError(f"methods {', '.join(_S3)} need a store target")
     footprint = conversation_tokens(workload)
     report = FleetReport(
         workload=asdict(workload),
@@ -145,9 +151,10 @@ class _MethodRun:
         self.root = root
         self.log_dir = log_dir
         self.ours = method in _OURS
+        self.store = store if method in _S3 else None
         self.nodes = Nodes(
             method,
-            ours=self.ours,
+            tier="ours" if self.ours else "obj" if method == "obj-rr" else "fs",
             aware=method == "ours-aware",
             model_dir=model_dir,
             sizing=sizing,
@@ -185,6 +192,8 @@ class _MethodRun:
             result = self._measure(servers, indexer, router, drain_timeout_s, progress, on_turn)
             stopping = time.perf_counter()
         progress(f"{self.method}: everything it started stopped in {time.perf_counter() - stopping:.0f} s")
+        if self.store is not None:  # vLLM logs its kv_transfer_config, the obj tier's keys included
+            redact_logs(logs, [self.store.secret_key, self.store.access_key])
         return result
 
     def _measure(
@@ -201,11 +210,18 @@ class _MethodRun:
         before = [s.metrics() for s in servers]
         cpu_before = accounts.cpu_s()
         urls = [s.base_url for s in servers]
+        requests_before = self.store.requests() if self.store is not None else None
         turns = asyncio.run(replay_routed(urls, servers[0].model, workload, router, on_turn))
         cpu_after = accounts.cpu_s()
         time.sleep(1.5)  # the engines publish their counters at the end of a step; let the last ones land
         after = [s.metrics() for s in servers]
-        result = method_result(self.method, turns, before, after, ours=self.ours)
+        result = method_result(
+            self.method, turns, before, after, ours=self.ours, bucket_only=self.method == "obj-rr"
+        )
+        requests_after = self.store.requests() if self.store is not None else None
+        if requests_before is not None and requests_after is not None:
+            result.s3_requests = asdict(requests_after - requests_before)
+            result.chunks_loaded, result.chunks_stored = tier_chunks(before, after, self.nodes.sizing)
         result.cpu_s = cpu_delta(cpu_before, cpu_after)
         result.prompt_tokens_per_cpu_s = result.prompt_tokens / max(0.01, sum(result.cpu_s.values()))
         if self.ours:

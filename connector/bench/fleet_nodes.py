@@ -36,14 +36,15 @@ def node_cpus() -> list[list[int]]:
 
 
 class Nodes:
-    """One method's nodes. `ours`: KVStoreTier on each, one bucket prefix for both (else vLLM's fs tier in a
-    directory per node); `aware`: routed by the indexer, so the engines (and our tier) publish KV events."""
+    """One method's nodes. `tier`: "ours" (KVStoreTier on each, one bucket prefix for both), "obj" (vLLM's
+    object tier on each, one prefix for both) or "fs" (vLLM's fs tier in a directory per node); `aware`:
+    routed by the indexer, so the engines (and our tier) publish KV events."""
 
     def __init__(
         self,
         method: str,
         *,
-        ours: bool,
+        tier: str,
         aware: bool,
         model_dir: Path,
         sizing: Sizing,
@@ -54,7 +55,8 @@ class Nodes:
         root: Path,
     ) -> None:
         self.method = method
-        self.ours = ours
+        self.tier = tier
+        self.ours = tier == "ours"
         self.aware = aware
         self.model_dir = model_dir
         self.sizing = sizing
@@ -67,9 +69,8 @@ class Nodes:
         self.ports = [
             (free_port(), free_port()) for _ in range(NODES)
         ]  # each engine's KV events, their replay
-        self.store_url = (
-            f"{store.store_url.rstrip('/')}/fleet-{method}-{time.time_ns()}" if store is not None else ""
-        )
+        self.prefix = f"fleet-{method}-{time.time_ns()}"
+        self.store_url = f"{store.store_url.rstrip('/')}/{self.prefix}" if store is not None else ""
 
     def specs(self, logs: Path) -> list[ServerSpec]:
         """Each node's server, its log under `logs`."""
@@ -95,6 +96,10 @@ class Nodes:
             env.update(self.store.env)
             if self.aware:
                 tier["enable_kv_events"] = True
+        elif self.tier == "obj":
+            assert self.store is not None
+            tier, obj_env = self.store.obj_tier(self.prefix)
+            env.update(obj_env)
         else:
             tier = {"type": "fs", "root_dir": str(node_dir / "fs")}
         config = self.sizing.tiering_config(tier)
@@ -150,8 +155,8 @@ class Nodes:
                 pid = agent_status(directory).pid
                 if pid is not None:
                     pids[f"node{node} agent"] = pid
-            if self.store is not None and self.store.server_pid is not None:
-                pids["S3 server"] = self.store.server_pid
+        if self.tier in ("ours", "obj") and self.store is not None and self.store.server_pid is not None:
+            pids["S3 server"] = self.store.server_pid
         return Accounts(groups, pids)
 
     def stop_agents(self, logs: Path, *, keep_logs: bool) -> None:

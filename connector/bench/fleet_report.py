@@ -13,8 +13,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstore.connector.bench.multiturn import Sizing
 from kvstore.connector.bench.outputs import figure, json_and_png
 from kvstore.connector.harness.routed import RoutedTurn
+from kvstore.connector.harness.s3_requests import RequestCounts
 from kvstore.connector.harness.vllm_server import metric_total
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "load_report",
     "method_result",
     "plot_report",
+    "tier_chunks",
     "write_outputs",
 ]
 
@@ -70,6 +73,25 @@ class MethodResult:
     prompt_tokens_per_cpu_s: float = 0.0
     drain_cpu_s: dict[str, float] = field(default_factory=dict)  # ... and during the drain
     routing: dict[str, float] = field(default_factory=dict)
+    # Methods on S3: the requests the S3 server counted during the turns, and the chunks the storage tiers
+    # loaded and stored by vLLM's own counters (both nodes).
+    s3_requests: dict[str, float] = field(default_factory=dict)
+    chunks_loaded: float = 0.0
+    chunks_stored: float = 0.0
+
+    def request_economy(self) -> dict[str, float]:
+        """Found GETs per chunk loaded, PUTs per chunk stored, US dollars per million chunks moved."""
+        if not self.s3_requests:
+            return {}
+        counts = RequestCounts(**self.s3_requests)
+        moved = self.chunks_loaded + self.chunks_stored
+        return {
+            "get_per_chunk_loaded": (counts.get - counts.get_missing) / self.chunks_loaded
+            if self.chunks_loaded
+            else 0.0,
+            "put_per_chunk_stored": counts.put / self.chunks_stored if self.chunks_stored else 0.0,
+            "usd_per_million_chunks": counts.cost_usd() / moved * 1e6 if moved else 0.0,
+        }
 
 
 @dataclass
@@ -89,8 +111,8 @@ class FleetReport:
         return json.dumps({**asdict(self), "ratios": self.ratios()}, indent=2)
 
     def ratios(self) -> dict[str, float | None]:
-        """Throughput ratios the goals name: ours round-robin vs fs round-robin (>= 1.5x), cache-aware vs
-        round-robin with ours (> 1x), cache-aware vs fs round-robin."""
+        """Throughput ratios the goals name: ours round-robin vs fs round-robin (>= 1.3x), cache-aware vs
+        round-robin with ours (> 1x), cache-aware vs fs round-robin, ours vs vLLM's obj tier round-robin."""
         tput = {m.method: m.prompt_tokens_per_s for m in self.methods}
 
         def ratio(a: str, b: str) -> float | None:
@@ -100,6 +122,7 @@ class FleetReport:
             "ours-rr/fs-rr": ratio("ours-rr", "fs-rr"),
             "ours-aware/ours-rr": ratio("ours-aware", "ours-rr"),
             "ours-aware/fs-rr": ratio("ours-aware", "fs-rr"),
+            "ours-rr/obj-rr": ratio("ours-rr", "obj-rr"),
         }
 
 
@@ -110,9 +133,10 @@ def method_result(
     after: list[dict[str, float]],
     *,
     ours: bool,
+    bucket_only: bool = False,
 ) -> MethodResult:
     """A method's figures from its turns (each with the server it went to) and each server's `/metrics`
-    before and after them."""
+    before and after them. `bucket_only`: the storage tier has nothing on the node (vLLM's obj tier)."""
     nodes: list[NodeResult] = []
     for node, (b, a) in enumerate(zip(before, after, strict=True)):
 
@@ -167,13 +191,29 @@ def method_result(
             for turn in sorted({r.turn for r in records})
         ],
         last_turn_tokens=max(r.prompt_tokens for r in records),
-        token_share=_shares(nodes, ours=ours),
+        token_share=_shares(nodes, ours=ours, bucket_only=bucket_only),
         nodes=nodes,
         routing=_routing(turns, len(before)),
     )
 
 
-def _shares(nodes: list[NodeResult], *, ours: bool) -> dict[str, float]:
+def tier_chunks(
+    before: list[dict[str, float]], after: list[dict[str, float]], sizing: Sizing
+) -> tuple[float, float]:
+    """Chunks the nodes' storage tiers loaded and stored during the turns, by vLLM's own counters."""
+    loaded = stored = 0.0
+    for b, a in zip(before, after, strict=True):
+        for name, bucket in (("read", "loaded"), ("write", "stored")):
+            metric = f"vllm:kv_offload_tiering_{name}_bytes_total"
+            chunks = (metric_total(a, metric) - metric_total(b, metric)) / sizing.chunk_bytes
+            if bucket == "loaded":
+                loaded += chunks
+            else:
+                stored += chunks
+    return loaded, stored
+
+
+def _shares(nodes: list[NodeResult], *, ours: bool, bucket_only: bool) -> dict[str, float]:
     """Where the fleet's prompt tokens came from. Our tier's storage tokens are split between NVMe and the
     bucket in the ratio of the bytes it loaded from each: its chunk hits are counted where the lookup
     found a chunk, and a chunk found in the bucket may be on NVMe by the time it loads (the node agent
@@ -187,6 +227,8 @@ def _shares(nodes: list[NodeResult], *, ours: bool) -> dict[str, float]:
         weights = {tier: sum(n.chunk_hits.get(tier, 0.0) for n in nodes) for tier in ("nvme", "object")}
     loaded = weights["nvme"] + weights["object"]
     bucket = disk * weights["object"] / loaded if ours and loaded > 0 else 0.0
+    if bucket_only:
+        bucket = disk
     share = {
         "engine": engine / total,
         "cpu": cpu / total,

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["figure", "json_and_png"]
+__all__ = ["figure", "json_and_png", "redact_logs"]
 
 
 def json_and_png(out_dir: Path, name: str, text: str, plot: Callable[[Path], None]) -> tuple[Path, Path]:
@@ -35,3 +35,21 @@ def figure(path: Path, rows: int, cols: int, **subplots: Any) -> Iterator[tuple[
         fig.savefig(path, dpi=110)
     finally:
         plt.close(fig)
+
+
+def redact_logs(folder: Path, secrets: list[str]) -> None:
+    """Replace every occurrence of `secrets` in the logs under `folder` (vLLM logs its whole
+    `kv_transfer_config` at start, and vLLM's object tier takes its S3 keys there)."""
+    wanted = [secret.encode() for secret in secrets if len(secret) >= 8]
+    if not wanted:
+        return
+    for log in folder.glob("*.log"):
+        try:
+            data = log.read_bytes()
+        except OSError:
+            continue
+        clean = data
+        for secret in wanted:
+            clean = clean.replace(secret, b"[redacted]")
+        if clean != data:
+            log.write_bytes(clean)

@@ -7,10 +7,11 @@ router dispatches it), the router picks the server:
 - `RoundRobin`: a conversation's turns alternate between the servers, each conversation starting one further
   on, so the load is even and no turn lands where the previous one did;
 - `CacheAware`: the prompt's exact token ids (the chat rendered and tokenized as the servers do it, or a
-  server's `/tokenize` of the same messages) go to a KV indexer, and the server credited with the most
-  blocks wins, tiers weighted as Dynamo's router weighs them (`weighted_blocks`); ties go round-robin.
-  Dynamo's router also charges a worker for the prefill and decode work it has queued; this one does not,
-  so what it measures is what the cache credit alone does.
+  server's `/tokenize` of the same messages) go to a KV indexer, and each server's cost is what Dynamo's
+  router charges it: the prompt blocks it would have to prefill (those it is not credited with, tiers
+  weighted as Dynamo weighs them, `weighted_blocks`) plus the blocks of the requests it is already serving;
+  the cheapest wins, ties round-robin. Credit alone sends every turn of a conversation back to one node
+  however busy it is; load alone is round-robin.
 
 A turn's TTFT is the client's: routing time (tokenizing, asking the indexer) plus the server's time to its
 first token; `RoutedTurn.route_s` keeps the routing part.
@@ -50,6 +51,7 @@ __all__ = [
     "Router",
     "local_chat_tokenizer",
     "replay_routed",
+    "routing_costs",
     "tokenize_chat",
     "weighted_blocks",
 ]
@@ -74,12 +76,20 @@ def weighted_blocks(
     return device + host * on_host + disk * on_disk
 
 
+def routing_costs(blocks: int, credited: Sequence[float], active: Sequence[int]) -> tuple[float, ...]:
+    """Each server's cost for a prompt of `blocks` blocks, as Dynamo's router reckons it (overlap weight 1):
+    the blocks it would prefill (those it is not `credited` with) plus the blocks it is serving (`active`)."""
+    return tuple(max(0.0, blocks - c) + a for c, a in zip(credited, active, strict=True))
+
+
 @dataclass(frozen=True)
 class Route:
     """A router's choice for one turn, and what it was based on."""
 
     server: int
-    scores: tuple[float, ...] = ()  # per server, for routers that score (weighted blocks)
+    scores: tuple[float, ...] = ()  # per server, for routers that score (weighted blocks credited)
+    costs: tuple[float, ...] = ()  # per server, for routers that weigh load too (blocks to prefill + active)
+    blocks: int = 0  # the prompt's blocks, charged to the chosen server while the turn runs
     tied: bool = False  # the best score was shared: the round-robin tie-break chose
     prompt_tokens: int | None = None  # tokens the router scored, for routers that tokenize
     tokenize_s: float = 0.0  # of the routing time: tokenizing the prompt
@@ -99,6 +109,9 @@ class Router(Protocol):
         self, conversation: int, turn: int, messages: Messages, clients: Sequence[httpx.AsyncClient]
     ) -> Route: ...
 
+    def finished(self, route: Route) -> None:
+        """The turn sent by ``route`` has its answer: its server is that much less loaded."""
+
     async def aclose(self) -> None: ...
 
 
@@ -111,12 +124,16 @@ class RoundRobin:
     ) -> Route:
         return Route((conversation + turn) % self._servers)
 
+    def finished(self, route: Route) -> None:
+        pass
+
     async def aclose(self) -> None:
         pass
 
 
 class CacheAware:
-    """Ask `indexer` which of `instances` (one id per server, in server order) holds most of the prompt.
+    """Ask `indexer` what each of `instances` (one id per server, in server order) holds of the prompt, and
+    send it where prefilling the rest costs least beside the work already there.
 
     `tokenize` renders and tokenizes the chat as the servers do (`local_chat_tokenizer`), as a router in
     front of the engines does; without it a server's `/tokenize` does (exact by construction, but a round
@@ -138,6 +155,7 @@ class CacheAware:
         self._tokenize = tokenize
         self._ties = itertools.count()
         self._client: httpx.AsyncClient | None = None
+        self._active = [0] * len(self._instances)  # prompt blocks of the turns each server is serving
 
     async def choose(
         self, conversation: int, turn: int, messages: Messages, clients: Sequence[httpx.AsyncClient]
@@ -155,11 +173,17 @@ class CacheAware:
         scores = tuple(
             weighted_blocks(credits.get(instance, Credit()), self._block_size) for instance in self._instances
         )
-        best = max(scores)
-        leaders = [i for i, score in enumerate(scores) if score == best]
+        blocks = -(-len(tokens) // self._block_size)
+        costs = routing_costs(blocks, scores, self._active)
+        best = min(costs)
+        leaders = [i for i, cost in enumerate(costs) if cost == best]
         tied = len(leaders) > 1
         server = leaders[next(self._ties) % len(leaders)] if tied else leaders[0]
-        return Route(server, scores, tied=tied, prompt_tokens=len(tokens), **timing)
+        self._active[server] += blocks
+        return Route(server, scores, costs, blocks, tied=tied, prompt_tokens=len(tokens), **timing)
+
+    def finished(self, route: Route) -> None:
+        self._active[route.server] -= route.blocks
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -212,9 +236,12 @@ async def replay_routed(
             start = time.perf_counter()
             route = await router.choose(conversation, turn, messages, clients)
             route_s = time.perf_counter() - start
-            answer, record = await chat_turn(
-                clients[route.server], model, messages, workload, conversation, turn
-            )
+            try:
+                answer, record = await chat_turn(
+                    clients[route.server], model, messages, workload, conversation, turn
+                )
+            finally:
+                router.finished(route)
             record = replace(
                 record,
                 ttft_s=record.ttft_s + route_s,

