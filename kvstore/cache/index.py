@@ -10,10 +10,8 @@ Sub-databases (keys are the chunk key's UTF-8 bytes unless stated):
              access (ns since the epoch), file token (8 random bytes naming the file, see ``files.py``), state
              (always 1 = ready: entries are written only after their file is complete), codec, raw length,
              and the time it was queued for upload (0: the object store has it, or there is none).
-``lru``      8-byte big-endian last access ns + key -> b"". Holds only *evictable* entries: a pinned entry has
-             no LRU record, so eviction walks from the oldest record and never has to skip pinned ones.
-``pins``     key -> ``<Q`` pin count. Counts exist for keys not (yet) cached, so a pinned prompt admitted
-             later is never evicted. Pins persist: they are node-wide state, not per-process leases.
+``lru``,     the LRU order of evictable entries and the pin counts (``lru.py``).
+``pins``
 ``uploads``  the upload journal (``journal.py``): what waits for upload, oldest first, and who holds it.
 ``counters`` name -> ``<Q``: node-wide figures (lookups, hits, bytes per tier...) that every process on the
              node adds its own to, so a tool sees the node's traffic, not its own (``add_counters``).
@@ -21,12 +19,11 @@ Sub-databases (keys are the chunk key's UTF-8 bytes unless stated):
              uploading a chunk appends to it, and each engine turns it into KV events.
 ``unlinks``  the files of dropped entries not deleted yet (``unlinks.py``): whoever opens the cache next
              deletes what a killed process left.
-``meta``     ``schema_version`` (``<Q``, currently 2) and ``<Q`` counters kept in step with ``entries``
-             inside every write transaction: ``used_bytes``, ``entries`` (and the journal's and the change
-             log's own, documented with them).
+``meta``     ``schema_version`` (``<Q``, currently 2), and counters each module above keeps in step.
 
-Opening the environment (once per process, its schema and data file checked) is ``lmdb_env.py``'s job; the
-values stored and returned are in ``records.py``.
+What one transaction does to an entry coming in or going out is ``entries.py``'s; opening the environment
+(once per process, its schema and data file checked) is ``lmdb_env.py``'s; the values stored and returned
+are in ``records.py``. This class opens the transactions and keeps what a process carries between them.
 """
 
 from __future__ import annotations
@@ -37,28 +34,16 @@ import os
 import struct
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import replace
 
 import lmdb
 
-from kvstore.cache import changelog, journal, unlinks
+from kvstore.cache import changelog, entries, journal, lru, unlinks
 from kvstore.cache.claims import Holder, Liveness, clock_ns, this_process
 from kvstore.cache.lmdb_env import DEFAULT_MAP_SIZE, INDEX_DIR, Shared, acquire, release, translate
 from kvstore.cache.records import Admission, Backlog, Change, ChangeKind, Entry, Eviction, encode_key
 from kvstore.errors import CacheClosed, CacheError
 
-# Eviction passes over at most this many chunks that still wait for upload to find uploaded ones: bounded
-# work per admission, and under a long outage (everything waits) plain LRU order again.
-_UPLOAD_LOOKAHEAD = 256
-
 _U64 = struct.Struct("<Q")
-_TS = struct.Struct(">Q")  # big-endian so LMDB's byte order is time order
-_USED_KEY = b"used_bytes"
-_COUNT_KEY = b"entries"
-
-
-def _lru_key(ts: int, key: bytes) -> bytes:
-    return _TS.pack(ts) + key
 
 
 class CacheIndex:
@@ -127,21 +112,20 @@ class CacheIndex:
     def pin_count(self, key: str) -> int:
         s = self._db()
         with s.env.begin() as txn:
-            raw = txn.get(encode_key(key), db=s.pins)
-        return 0 if raw is None else _U64.unpack(raw)[0]
+            return lru.pin_count(txn, s, encode_key(key))
 
     @translate
     def used_bytes(self) -> int:
         s = self._db()
         with s.env.begin() as txn:
-            return self._counters(txn, s)[0]
+            return entries.counters(txn, s)[0]
 
     @translate
     def counters(self) -> tuple[int, int, int]:
         """(used bytes, entries, resident pinned entries), from one snapshot."""
         s = self._db()
         with s.env.begin() as txn:
-            used, count = self._counters(txn, s)
+            used, count = entries.counters(txn, s)
             pinned = sum(1 for k in txn.cursor(db=s.pins).iternext(values=False) if txn.get(k, db=s.entries))
         return used, count, pinned
 
@@ -190,63 +174,13 @@ class CacheIndex:
         live, lost = Liveness(clock_ns()), collections.Counter[str]()
         with s.env.begin(write=True) as txn:
             self._forget_unlinked(txn, s)
-            self._apply_touches(txn, s, touches)
+            lru.touch(txn, s, touches)
             admissions = [
-                self._admit_one(txn, s, encode_key(key), entry, budget, live, lost) for key, entry in items
+                entries.admit(txn, s, encode_key(key), entry, budget, live, lost) for key, entry in items
             ]
-            victims = [(vk.encode(), ve) for a in admissions for vk, ve in a.victims]
-            self._log(txn, s, ChangeKind.EVICTED, [(vk, not ve.pending_upload) for vk, ve in victims])
+            self._log_dropped(txn, s, ChangeKind.EVICTED, [v for a in admissions for v in a.victims])
         self._add_lost(lost)
         return admissions
-
-    def _admit_one(
-        self,
-        txn: lmdb.Transaction[bytes],
-        s: Shared,
-        k: bytes,
-        entry: Entry,
-        budget: int,
-        live: Liveness,
-        lost: journal.Lost,
-    ) -> Admission:
-        if txn.get(k, db=s.entries) is not None:
-            return Admission(False)
-        used, count = self._counters(txn, s)
-        need = used + entry.size - budget
-        victims: list[tuple[bytes, Entry]] = []
-        if need > 0:
-            victims = self._pick_victims(txn, s, need)
-            if sum(v.size for _, v in victims) < need:
-                return Admission(False)
-        uploading = self._drop_victims(txn, s, victims, live, lost)
-        used -= sum(ve.size for _, ve in victims)
-        count -= len(victims)
-        txn.put(k, entry.pack(), db=s.entries)
-        if txn.get(k, db=s.pins) is None:
-            txn.put(_lru_key(entry.last_access_ns, k), b"", db=s.lru)
-        if entry.pending_upload:
-            journal.queue(txn, s, k, entry)
-        self._set_counters(txn, s, used + entry.size, count + 1)
-        return Admission(True, tuple((vk.decode(), ve) for vk, ve in victims), frozenset(uploading))
-
-    def _drop_victims(
-        self,
-        txn: lmdb.Transaction[bytes],
-        s: Shared,
-        victims: list[tuple[bytes, Entry]],
-        live: Liveness,
-        lost: journal.Lost,
-    ) -> set[str]:
-        """Delete victims' entries, LRU and upload records (not the counters); returns those an uploader
-        holds (adrift: its upload may still finish)."""
-        uploading: set[str] = set()
-        for vk, ve in victims:
-            txn.delete(vk, db=s.entries)
-            txn.delete(_lru_key(ve.last_access_ns, vk), db=s.lru)
-            unlinks.add(txn, s, vk, ve.token)
-            if journal.leave(txn, s, vk, ve, "evicted", lost, live):
-                uploading.add(vk.decode())
-        return uploading
 
     @translate
     def evict(self, target_used: int, max_victims: int | None = None) -> Eviction:
@@ -258,48 +192,10 @@ class CacheIndex:
         live, lost = Liveness(clock_ns()), collections.Counter[str]()
         with s.env.begin(write=True) as txn:
             self._forget_unlinked(txn, s)
-            used, count = self._counters(txn, s)
-            if used <= target_used:
-                return Eviction()
-            victims = self._pick_victims(txn, s, used - target_used, max_victims)
-            uploading = self._drop_victims(txn, s, victims, live, lost)
-            freed = sum(ve.size for _, ve in victims)
-            self._set_counters(txn, s, max(0, used - freed), max(0, count - len(victims)))
-            self._log(txn, s, ChangeKind.EVICTED, [(vk, not ve.pending_upload) for vk, ve in victims])
+            eviction = entries.evict(txn, s, target_used, max_victims, live, lost)
+            self._log_dropped(txn, s, ChangeKind.EVICTED, eviction.victims)
         self._add_lost(lost)
-        return Eviction(tuple((vk.decode(), ve) for vk, ve in victims), frozenset(uploading))
-
-    def _pick_victims(
-        self, txn: lmdb.Transaction[bytes], s: Shared, need: int, limit: int | None = None
-    ) -> list[tuple[bytes, Entry]]:
-        """Least recently used first, but an entry still waiting for upload (its only copy) is passed over
-        for an uploaded one within the next ``_UPLOAD_LOOKAHEAD`` records; past that, it goes too."""
-        victims: list[tuple[bytes, Entry]] = []
-        passed_over: list[tuple[bytes, Entry]] = []
-        stale: list[bytes] = []
-        freed = 0
-        for lk in txn.cursor(db=s.lru).iternext(values=False):
-            vk = lk[8:]
-            raw = txn.get(vk, db=s.entries)
-            entry = None if raw is None else Entry.unpack(raw)
-            if entry is None or entry.last_access_ns != _TS.unpack(lk[:8])[0] or txn.get(vk, db=s.pins):
-                stale.append(lk)  # self-healing: a record that no longer matches an evictable entry
-                continue
-            if entry.pending_upload and len(passed_over) < _UPLOAD_LOOKAHEAD:
-                passed_over.append((vk, entry))
-                continue
-            victims.append((vk, entry))
-            freed += entry.size
-            if freed >= need or len(victims) == limit:
-                break
-        for vk, entry in passed_over:  # not enough without them: the oldest of them go after all
-            if freed >= need or len(victims) == limit:
-                break
-            victims.append((vk, entry))
-            freed += entry.size
-        for lk in stale:
-            txn.delete(lk, db=s.lru)
-        return victims
+        return eviction
 
     @translate
     def apply_touches(self, touches: Mapping[str, int]) -> None:
@@ -307,21 +203,7 @@ class CacheIndex:
             return
         s = self._db()
         with s.env.begin(write=True) as txn:
-            self._apply_touches(txn, s, touches)
-
-    def _apply_touches(self, txn: lmdb.Transaction[bytes], s: Shared, touches: Mapping[str, int]) -> None:
-        for key, ts in touches.items():
-            k = key.encode()
-            raw = txn.get(k, db=s.entries)
-            if raw is None:
-                continue
-            entry = Entry.unpack(raw)
-            if ts <= entry.last_access_ns:
-                continue  # another process saw it more recently
-            if txn.get(k, db=s.pins) is None:
-                txn.delete(_lru_key(entry.last_access_ns, k), db=s.lru)
-                txn.put(_lru_key(ts, k), b"", db=s.lru)
-            txn.put(k, replace(entry, last_access_ns=ts).pack(), db=s.entries)
+            lru.touch(txn, s, touches)
 
     @translate
     def remove(self, key: str, token: bytes | None = None, reason: str = "discarded") -> Entry | None:
@@ -344,36 +226,12 @@ class CacheIndex:
         removed: list[tuple[str, Entry]] = []
         with s.env.begin(write=True) as txn:
             for key, k, token in keys:
-                entry = self._remove(txn, s, k, token, reason, live, lost)
+                entry = entries.remove(txn, s, k, token, reason, live, lost)
                 if entry is not None:
                     removed.append((key, entry))
+            self._log_dropped(txn, s, ChangeKind.REMOVED, removed)
         self._add_lost(lost)
         return removed
-
-    def _remove(
-        self,
-        txn: lmdb.Transaction[bytes],
-        s: Shared,
-        k: bytes,
-        token: bytes | None,
-        reason: str,
-        live: Liveness,
-        lost: journal.Lost,
-    ) -> Entry | None:
-        raw = txn.get(k, db=s.entries)
-        if raw is None:
-            return None
-        entry = Entry.unpack(raw)
-        if token is not None and entry.token != token:
-            return None
-        txn.delete(k, db=s.entries)
-        txn.delete(_lru_key(entry.last_access_ns, k), db=s.lru)
-        unlinks.add(txn, s, k, entry.token)
-        journal.leave(txn, s, k, entry, reason, lost, live)
-        used, count = self._counters(txn, s)
-        self._set_counters(txn, s, max(0, used - entry.size), max(0, count - 1))
-        self._log(txn, s, ChangeKind.REMOVED, [(k, not entry.pending_upload)])
-        return entry
 
     def take_lost(self) -> dict[str, int]:
         """Chunks this process's transactions settled as lost before their upload since the last call, by
@@ -501,6 +359,12 @@ class CacheIndex:
     ) -> None:
         changelog.append(txn, s, kind, items, self._change_log_max)
 
+    def _log_dropped(
+        self, txn: lmdb.Transaction[bytes], s: Shared, kind: ChangeKind, dropped: Sequence[tuple[str, Entry]]
+    ) -> None:
+        """Log entries that left, each with whether the bucket had it (if not, this was its last copy)."""
+        self._log(txn, s, kind, [(key.encode(), not entry.pending_upload) for key, entry in dropped])
+
     @translate
     def backlog(self) -> Backlog:
         """What waits for upload: counters, and the age of the oldest record."""
@@ -510,50 +374,24 @@ class CacheIndex:
 
     @translate
     def change_pins(self, keys: Iterable[str], delta: int) -> None:
-        """Add ``delta`` (+1 or -1) to each key's pin count; counts never go below zero. A key whose count
-        leaves zero loses its LRU record (eviction cannot see it); one that returns to zero gets it back."""
+        """Add ``delta`` (+1 or -1) to each key's pin count (see ``lru.change_pins``)."""
         encoded = [encode_key(k) for k in keys]
         s = self._db()
         with s.env.begin(write=True) as txn:
-            for k in encoded:
-                raw = txn.get(k, db=s.pins)
-                old = 0 if raw is None else _U64.unpack(raw)[0]
-                new = max(0, old + delta)
-                if new == old:
-                    continue
-                if new:
-                    txn.put(k, _U64.pack(new), db=s.pins)
-                else:
-                    txn.delete(k, db=s.pins)
-                if (old == 0) == (new == 0):
-                    continue
-                raw_entry = txn.get(k, db=s.entries)
-                if raw_entry is None:
-                    continue
-                lk = _lru_key(Entry.unpack(raw_entry).last_access_ns, k)
-                if new:
-                    txn.delete(lk, db=s.lru)
-                else:
-                    txn.put(lk, b"", db=s.lru)
+            lru.change_pins(txn, s, encoded, delta)
+
+    # -- fsck's audit and repair -------------------------------------------------------------------------
 
     @translate
     def rebuild(self) -> tuple[int, int, int, int]:
-        """Recompute counters, the LRU database and the upload journal from ``entries`` (fsck's repair of
-        index drift).
-
-        Returns (recorded used bytes, actual used bytes, recorded entries, actual entries) as found."""
+        """Recompute counters, the LRU order and the upload journal from ``entries`` (fsck's repair of index
+        drift). Returns (recorded used bytes, actual used bytes, recorded entries, actual entries)."""
         s = self._db()
         with s.env.begin(write=True) as txn:
-            rec_used, rec_count = self._counters(txn, s)
-            used = count = 0
-            txn.drop(s.lru, delete=False)
-            for k, raw in txn.cursor(db=s.entries):
-                entry = Entry.unpack(raw)
-                used += entry.size
-                count += 1
-                if txn.get(k, db=s.pins) is None:
-                    txn.put(_lru_key(entry.last_access_ns, k), b"", db=s.lru)
-            self._set_counters(txn, s, used, count)
+            rec_used, rec_count = entries.counters(txn, s)
+            used, count = entries.actual(txn, s)
+            entries.set_counters(txn, s, used, count)
+            lru.rebuild(txn, s)
             journal.rebuild(txn, s)
         return rec_used, used, rec_count, count
 
@@ -563,27 +401,6 @@ class CacheIndex:
         entries, LRU and upload records that do not match exactly one entry, plus upload counter drift)."""
         s = self._db()
         with s.env.begin() as txn:
-            rec_used, rec_count = self._counters(txn, s)
-            used = count = 0
-            expected: set[bytes] = set()
-            for k, raw in txn.cursor(db=s.entries):
-                entry = Entry.unpack(raw)
-                used += entry.size
-                count += 1
-                if txn.get(k, db=s.pins) is None:
-                    expected.add(_lru_key(entry.last_access_ns, k))
-            actual = set(txn.cursor(db=s.lru).iternext(values=False))
-            drift = journal.drift(txn, s)
-        return rec_used, used, rec_count, count, len(expected ^ actual) + drift
-
-    def _counters(self, txn: lmdb.Transaction[bytes], s: Shared) -> tuple[int, int]:
-        used = txn.get(_USED_KEY, db=s.meta)
-        count = txn.get(_COUNT_KEY, db=s.meta)
-        return (
-            0 if used is None else _U64.unpack(used)[0],
-            0 if count is None else _U64.unpack(count)[0],
-        )
-
-    def _set_counters(self, txn: lmdb.Transaction[bytes], s: Shared, used: int, count: int) -> None:
-        txn.put(_USED_KEY, _U64.pack(used), db=s.meta)
-        txn.put(_COUNT_KEY, _U64.pack(count), db=s.meta)
+            rec_used, rec_count = entries.counters(txn, s)
+            used, count = entries.actual(txn, s)
+            return rec_used, used, rec_count, count, lru.drift(txn, s) + journal.drift(txn, s)

@@ -515,7 +515,7 @@ def test_contains_many_over_a_large_index(cache_dir: Path) -> None:
 
 def _bulk_fill(cache: NVMeCache, n: int) -> None:
     """Index entries without files, in one transaction (only contains_many is exercised)."""
-    from kvstore.cache.index import _lru_key
+    from kvstore.cache.lru import lru_key
     from kvstore.cache.records import Entry
 
     s = cache._index._db()
@@ -523,7 +523,7 @@ def _bulk_fill(cache: NVMeCache, n: int) -> None:
         for i in range(n):
             key = k(i).encode()
             txn.put(key, Entry(1, b"\0" * 16, i, b"\0" * 8).pack(), db=s.entries)
-            txn.put(_lru_key(i, key), b"", db=s.lru)
+            txn.put(lru_key(i, key), b"", db=s.lru)
 
 
 def test_forked_child_keeps_working(cache: NVMeCache) -> None:
