@@ -155,8 +155,35 @@ def test_partial_load_reports_successful_keys_and_marks_missing(node: Standalone
     result = wait_jobs(tier, {2})[2]
     assert not result.success
     assert list(result.successful_keys or []) == [okey(0)]
+    assert result.transfer_bytes == CHUNK, "only the chunk delivered counts"
     assert bytes(node.slot(5)) == data(0)
     assert tier.lookup(okey(99), REQ) is LookupResult.MISS  # the scheduler will not ask again
+
+
+def test_chunks_served_after_a_restart_are_announced_again(
+    s3_env: None, s3_store: ObjectStore, tmp_path: Path
+) -> None:
+    """Routers forget an engine's blocks when it restarts, and nothing a restarted engine stores announces
+    the chunks it serves from this tier: the tier announces them once their request has finished."""
+    opts = options(s3_store, tmp_path / "nvme", enable_kv_events=True)
+    before = standalone_tier(opts, chunk_bytes=CHUNK, num_chunks=4, kv_events=True)
+    before.fill(0, data(1))
+    before.tier.submit_store(job(1, [okey(1)], [0], promotion=False))
+    assert wait_jobs(before.tier, {1})[1].success
+    before.close()
+
+    after = standalone_tier(opts, chunk_bytes=CHUNK, num_chunks=4, kv_events=True)
+    try:
+        tier = after.tier
+        tier.submit_load(job(2, [okey(1), okey(2)], [1, 2], promotion=True))  # okey(2): never stored
+        assert list(wait_jobs(tier, {2})[2].successful_keys or []) == [okey(1)]
+        assert [e for e in tier.take_events() if not e.removed] == [], "nothing before the request ends"
+        tier.on_request_finished(REQ)
+        stored = [(list(e.keys), e.medium, e.locality) for e in tier.take_events() if not e.removed]
+        assert stored == [([okey(1)], Medium.STORAGE, Locality.LOCAL)], "what it served, and only that"
+        assert [e for e in tier.take_events() if not e.removed] == [], "once"
+    finally:
+        after.close()
 
 
 def test_remote_chunk_is_retry_then_hit(s3_env: None, s3_store: ObjectStore, tmp_path: Path) -> None:

@@ -183,6 +183,7 @@ def test_bad_remote_settings_name_the_option(overrides: dict[str, object]) -> No
         ({"pin_sync_s": float("inf")}, "pin_sync_s"),
         ({"outage_cooldown_s": float("nan")}, "outage_cooldown_s"),
         ({"probe_miss_ttl_s": -1.0}, "probe_miss_ttl_s"),
+        ({"load_timeout_s": 0}, "load_timeout_s"),  # a load that may not wait at all serves nothing
         ({"remote_timeout_s": 1e300}, "remote_timeout_s"),
         ({"admin_port": 99999}, "admin_port"),
         ({"admin_port": 0}, "admin_port"),

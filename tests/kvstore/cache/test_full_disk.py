@@ -175,3 +175,34 @@ def test_a_disk_another_file_filled_recovers(small_disk: Path) -> None:
         assert load(engine, after) == [payload(200 + i) for i in range(8)]
         engine.close()
         assert cache.fsck().clean
+
+
+def test_the_agent_evicts_to_the_free_space_not_to_cache_bytes(small_disk: Path) -> None:
+    """On a disk smaller than `cache_bytes`, the agent keeps the cache between 90 and 95% of what the disk
+    has room for, so the engines' stores find room without evicting in their own commits."""
+    directory = small_disk / "cache"
+    with NVMeCache(directory, 50 << 30) as cache:
+        engine = TieredStore(None, cache, threads=EngineThreads(disk_workers=2))
+        names = keys(200, "fill")
+        for i, name in enumerate(names):  # until the cache holds more than 95% of what it may
+            engine.store_many([(name, payload(i))])
+            if cache.used_bytes() > 0.96 * cache.effective_budget():
+                break
+        assert cache.used_bytes() > 0.95 * cache.effective_budget()
+        agent = NodeAgent(
+            cache,
+            None,
+            metrics=EngineMetrics(CollectorRegistry()),
+            threads=EngineThreads(),
+            pin_sync_s=0,
+            idle_priority=False,
+        )
+        agent.start()
+        try:
+            wait_for(
+                lambda: cache.used_bytes() <= 0.9 * cache.effective_budget(),
+                what="the agent to evict to 90% of the room the disk has",
+            )
+        finally:
+            agent.stop()
+            engine.close()

@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kvstore.access import read_access_records
 from kvstore.agent.admission import fetch_into_cache
 from kvstore.agent.node_agent import NodeAgent
 from kvstore.cache import NVMeCache, ReadStatus
 from kvstore.chunk import HEADER_BLOCK, Codec, encode, encode_legacy, parse_header
 from kvstore.engine import EngineThreads, Presence, TieredStore
+from kvstore.errors import StoreUnavailable
 from kvstore.metrics import EngineMetrics
 from kvstore.stores import MemoryStore, ObjectStore
 from kvstore.stores.base import Buffer
@@ -644,3 +646,128 @@ def test_absent_keys_asked_every_step_cost_one_request_each_per_miss_ttl(
     assert asked.get <= len(absent) * (10 / 2.0 + 1)
     assert asked.get >= len(absent) * 4  # each expiry did ask again
     assert [engine.lookup_cached(k) for k in absent] == [Presence.MISS] * 3
+
+
+# -- what the engine hears from the node (issue 30's mutations that nothing caught) ------------------------
+
+
+def test_stored_hints_wait_for_an_agent_and_reach_it(
+    s3_store: ObjectStore,
+    cache: NVMeCache,
+    metrics: EngineMetrics,
+    make_engine: MakeEngine,
+    start_agent: StartAgent,
+) -> None:
+    """With no agent there, what an engine stored is kept to tell the next one (GC sees a chunk as used from
+    its store on): once an agent runs, the access records name every chunk."""
+    engine = make_engine(s3_store, cache, metrics)
+    names = keys(4, "unsent")
+    assert engine.store_many([(k, payload(i)) for i, k in enumerate(names)]).written == 4
+    engine.housekeeping()  # nobody listens: the hints wait
+    start_agent(cache, s3_store, access_flush_s=0.2)
+    engine.housekeeping()
+
+    def recorded() -> set[str]:
+        return {k for _, _, batch in read_access_records(s3_store) for k in batch}
+
+    wait_for(lambda: set(names) <= recorded(), what="the stored chunks in the access records")
+
+
+def test_each_change_of_the_node_is_one_event(
+    tmp_path: Path, metrics: EngineMetrics, make_engine: MakeEngine
+) -> None:
+    """The engine reads the change log from where it stopped: each eviction is announced once, however
+    often the log is read."""
+    with NVMeCache(tmp_path / "nvme", budget_bytes=4 * (CHUNK + HEADER_BLOCK)) as cache:
+        engine = make_engine(None, cache, metrics)
+        names = keys(10, "once")
+        for i, name in enumerate(names):
+            engine.store_many([(name, payload(i))])  # from the fifth on, each evicts the oldest
+        for _ in range(3):
+            engine.housekeeping()
+        removed = [e.key for e in engine.take_events() if e.removed]
+    assert removed == names[:6]
+
+
+def test_an_agents_eviction_of_a_chunk_never_uploaded_ends_its_residency(
+    tmp_path: Path, metrics: EngineMetrics, make_engine: MakeEngine, start_agent: StartAgent
+) -> None:
+    """The agent evicts chunks the bucket does not have (no uploader runs): each was the last copy, and
+    routers must hear so."""
+    budget = 10 * (CHUNK + HEADER_BLOCK)
+    with NVMeCache(tmp_path / "nvme", budget_bytes=budget) as cache:
+        engine = make_engine(MemoryStore(), cache, metrics)  # queued for upload; nothing uploads them
+        names = keys(10, "last-copy")
+        engine.store_many([(k, payload(i)) for i, k in enumerate(names)])  # the whole budget: over 95%
+        start_agent(cache, None)  # evicts, uploads nothing
+        wait_for(lambda: cache.used_bytes() <= 0.9 * budget, what="the agent's eviction")
+        engine.housekeeping()
+        removed = {e.key: e.last_copy for e in engine.take_events() if e.removed}
+    assert removed and set(removed.values()) == {True}, removed
+
+
+def test_a_discarded_nvme_copy_is_no_longer_answered_as_on_this_node(
+    s3_store: ObjectStore,
+    cache: NVMeCache,
+    metrics: EngineMetrics,
+    make_engine: MakeEngine,
+    start_agent: StartAgent,
+) -> None:
+    names = keys(1, "discarded")
+    engine = make_engine(s3_store, cache, metrics)
+    start_agent(cache, s3_store)
+    engine.store_many([(names[0], payload(0))])
+    wait_for(lambda: cache.backlog().chunks == 0, what="the upload")
+    engine.housekeeping()
+    located = locate(cache, names[0])
+    assert located is not None
+    with open(located.path, "r+b") as f:
+        f.seek(HEADER_BLOCK + 10)
+        f.write(b"\xff\xfe")
+    # The change log would correct the answer too, at the engine's next housekeeping: hold it off.
+    with engine._housekeeping_lock:
+        assert load(engine, names) == [payload(0)], "the bucket's copy serves"
+        assert engine.lookup_cached(names[0]) is Presence.REMOTE, "the node's copy is gone"
+
+
+class Switchable(MemoryStore):
+    """A real in-memory store that can be taken down: every call fails while `down` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+
+    def get(self, key: str) -> bytes | None:
+        if self.down:
+            raise StoreUnavailable("down")
+        return super().get(key)
+
+    def get_chunk(self, key: str) -> Buffer | None:
+        if self.down:
+            raise StoreUnavailable("down")
+        return super().get_chunk(key)
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        if self.down:
+            raise StoreUnavailable("down")
+        return super().exists_many(keys)
+
+
+def test_an_uploaded_chunk_stays_a_local_hit_also_while_the_store_is_down(
+    cache: NVMeCache, metrics: EngineMetrics, make_engine: MakeEngine, start_agent: StartAgent
+) -> None:
+    """ "In the bucket" must not replace "on this node": with the store down, the bucket's copy answers MISS,
+    the node's still serves."""
+    store = Switchable()
+    engine = make_engine(store, cache, metrics, prefetch_bytes=0)
+    start_agent(cache, store)
+    names = keys(2, "stays-local")
+    engine.store_many([(k, payload(i)) for i, k in enumerate(names)])
+    wait_for(lambda: cache.backlog().chunks == 0, what="the uploads")
+    engine.housekeeping()  # the change log: both reached the bucket
+    assert [engine.lookup_cached(k) for k in names] == [Presence.LOCAL] * 2
+    store.down = True
+    assert load(engine, keys(1, "elsewhere")) == [None]  # a GET fails: the breaker opens
+    assert not engine.store_available
+    assert [engine.lookup_cached(k) for k in names] == [Presence.LOCAL] * 2
+    assert load(engine, names) == [payload(0), payload(1)]
