@@ -47,6 +47,7 @@ __all__ = [
     "LeaseLost",
     "default_holder",
     "holder_gone",
+    "process_gone",
     "read_lease",
     "this_process",
 ]
@@ -93,17 +94,23 @@ def this_process() -> HolderProcess | None:
     return HolderProcess(machine, os.getpid(), started)
 
 
-def _process_gone(process: HolderProcess) -> bool:
+def process_gone(pid: int, started: str | None) -> bool:
+    """Whether the process of this machine that had ``pid`` and started at ``started`` (`start_time`; None if
+    not known) no longer runs: no such pid, a zombie, or a pid reused by another process. An unreadable
+    start time (a /proc mounted with hidepid) proves nothing, so the process is trusted. GC's lease and the
+    upload journal's claims (`kvstore.cache.claims`) take over from a holder that is gone."""
     try:
-        os.kill(process.pid, 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except PermissionError:
         pass  # it exists, under another user
-    # Exists: gone only if it is a zombie or another process (started at another time). An unreadable start
-    # time (a /proc mounted with hidepid) proves nothing, so the holder is trusted.
-    started = start_time(process.pid)
-    return started is not None and started != process.started
+    now = start_time(pid)
+    return now is not None and started is not None and now != started
+
+
+def _process_gone(process: HolderProcess) -> bool:
+    return process_gone(process.pid, process.started)
 
 
 @dataclass(frozen=True, slots=True)

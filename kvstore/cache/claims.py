@@ -2,10 +2,11 @@
 
 An uploader claims a batch of queued chunks for a lease; another process takes a claim over once it has
 expired, or at once when its holder is a process of this node that is gone (a killed agent's claims would
-otherwise wait out their lease), as GC's lease is (``kvstore.lease``). A claim is judged by the node's boot
-clock (``CLOCK_BOOTTIME``), never by the wall clock: every process on the node reads the same one, nobody can
-set it, so a clock stepped back an hour cannot stretch a two-minute claim into an hour. A claim made in
-another boot is void: its holder is gone and its times count from another zero.
+otherwise wait out their lease), as GC's lease is (``kvstore.lease.process_gone`` decides for both). A claim
+is judged by the node's boot clock (``CLOCK_BOOTTIME``), never by the wall clock: every process on the node
+reads the same one, nobody can set it, so a clock stepped back an hour cannot stretch a two-minute claim
+into an hour. A claim made in another boot is void: its holder is gone and its times count from another
+zero.
 
 ``claims``  journal record key -> ``<Q8s8sIQ``: until when (boot clock ns), the boot it was made in, and its
             holder: PID namespace, pid and start time (clock ticks since boot); pid 0 for no holder (a failed
@@ -22,7 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.processes import alive, start_time
+from kvstore.lease import process_gone
+from kvstore.processes import start_time
 
 __all__ = ["Claim", "Holder", "Liveness", "clock_ns", "this_process"]
 
@@ -119,13 +121,6 @@ class Liveness:
 
 
 def _gone(holder: Holder) -> bool:
-    """Whether the holder no longer runs: no such pid, a zombie, or a pid reused by a later process. An
-    unreadable start time (``/proc`` mounted with hidepid) proves nothing: the holder is trusted."""
     if holder.pid == os.getpid():
         return False
-    if not alive(holder.pid):
-        return True
-    started = start_time(holder.pid)
-    if started is None or holder.started == 0:
-        return False
-    return started == "zombie" or started != str(holder.started)
+    return process_gone(holder.pid, str(holder.started) if holder.started else None)
