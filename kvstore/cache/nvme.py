@@ -7,8 +7,9 @@ and race-safe:
 
 * admit: write a tmp file, rename it to a name unique to this admission (``write_file``), then ONE index
   transaction inserts the entries and, only if the budget is exceeded, evicts victims (``commit``); victims'
-  files are unlinked only after that commit. A crash before the commit leaves an orphan file (``reclaim_tmp``
-  at the next open, or fsck, removes it), never an index entry pointing at a partial or foreign file.
+  files are unlinked only after that commit. A crash before the commit leaves a tmp file (``reclaim_tmp`` at
+  the next open removes it) or a file no entry names (fsck's), never an entry naming a partial or foreign
+  file.
 * evict: the node agent keeps usage below the budget (``evict``), so the data path's commits rarely evict.
 * remove (discard, stale entry, fsck): index first, file second, for the same reason.
 * the transaction that drops an entry names its file in the index (``unlinks.py``) until the file is
@@ -17,18 +18,11 @@ and race-safe:
 * a reader that finds a file gone lost a race with another process's eviction: it is a miss, and the stale
   entry (if it still names that very file) is dropped by ``forget``.
 
-The budget is ``budget_bytes`` or, where the filesystem has less room (a smaller disk than configured, other
-files), what the cache holds plus what is free minus a small reserve (``effective_budget``): a full disk makes
-the cache evict, never stop caching. A disk that another file filled to the last byte does not stop it
-either: the room an eviction's commit needs is held by a ballast file (``ballast.py``), and nothing that
-only records figures or hints (touches, counters, trimming) fails for want of room; stores fail (misses)
-until the evictions or the other file give room back.
+The budget is ``budget_bytes`` or less, where the disk has less room, and a full disk makes the cache evict,
+never stop caching (``room.py``); nothing that only records figures or hints (touches, counters, trimming)
+fails for want of room.
 
-Reads verify against the index alone: an entry holds the chunk's content checksum (over its key and raw
-bytes), codec and raw length, so an uncompressed chunk is read with O_DIRECT straight into the caller's
-buffer, no header read, and hashed in place. A file swapped for another key's, truncated or flipped fails
-that check. ``read_into`` reports what it found and changes nothing; the caller decides (the engine discards
-corrupt copies and counts them).
+Reads verify against the index alone (``reading.py``).
 
 The upload journal: a chunk admitted with ``pending_upload`` is recorded as not yet in the object store.
 Uploaders ``claim_uploads`` (a lease by the node's boot clock, taken over at once when its holder died), read
@@ -54,13 +48,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from types import TracebackType
 
-from kvstore.cache.ballast import Ballast
 from kvstore.cache.changelog import MAX_CHANGES, TRIM_SLICE
 from kvstore.cache.claims import clock_ns
 from kvstore.cache.files import ChunkFiles, new_token
 from kvstore.cache.fsck import FsckReport, check
 from kvstore.cache.index import CacheIndex
 from kvstore.cache.lmdb_env import DEFAULT_MAP_SIZE
+from kvstore.cache.reading import read_into, read_stored
 from kvstore.cache.records import (
     MAX_KEY_BYTES,
     Backlog,
@@ -69,32 +63,20 @@ from kvstore.cache.records import (
     Change,
     Entry,
     ReadResult,
-    ReadStatus,
     Removals,
     StagedFile,
     encode_key,
 )
+from kvstore.cache.room import Room
 from kvstore.chunk import (
-    HEADER_BLOCK,
     Buffer,
     ChunkHeader,
-    Codec,
-    content_checksum,
-    decode_into,
-    flat,
-    stored_size,
 )
-from kvstore.errors import CacheError, CacheFull, ChunkCorrupt, ChunkUnreadable, ConfigError, KVStoreError
+from kvstore.errors import CacheError, CacheFull, ConfigError, KVStoreError
 
 log = logging.getLogger(__name__)
 
-
-_OK = ReadResult(ReadStatus.OK)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-# Free space the cache leaves to everything else on its filesystem: 2% of it, at most this.
-_RESERVE_MAX_BYTES = 1 << 30
-_FULL_DISK_BYTES = 64 << 10  # less free than this: the index may not find room for a commit
-_FULL_DISK_VICTIMS = 8  # evicted by a commit that must fit in the ballast's room
 
 
 class NVMeCache:
@@ -135,6 +117,7 @@ class NVMeCache:
             sync=index_sync,
             change_log_max=change_log_max,
         )
+        self._room = Room(self.directory, budget_bytes, self._index)
         self._touch_interval_ns = int(touch_flush_interval_s * 1e9)
         self._touch_max = touch_buffer_max
         self._lock = threading.Lock()  # guards the buffers below, never held across I/O
@@ -142,7 +125,6 @@ class NVMeCache:
         self._touches_since = time.monotonic_ns()
         self._evicted = 0
         self._closed = False
-        self._ballast = Ballast(directory)
         reclaimed = self._files.reclaim_tmp()
         if reclaimed.files:
             log.info(
@@ -152,8 +134,8 @@ class NVMeCache:
             )
         self._delete_unlinked()
         if not repair:
-            self._keep_ballast()
-            self._warn_if_disk_is_smaller()
+            self._room.keep_ballast()
+            self._room.warn_if_disk_is_smaller()
 
     @property
     def direct_io(self) -> bool:
@@ -218,31 +200,19 @@ class NVMeCache:
     # -- room --------------------------------------------------------------------------------------------
 
     def effective_budget(self, *, written_bytes: int = 0) -> int:
-        """What the cache may hold now: ``budget_bytes``, or less where its filesystem has less room (what
-        the cache holds, plus ``written_bytes`` of files written and not yet committed, plus the free space,
-        minus a reserve for everything else on that filesystem)."""
-        free, total = self._space()
-        room = self._index.used_bytes() + written_bytes + free - min(_RESERVE_MAX_BYTES, total // 50)
-        return max(0, min(self.budget_bytes, room))
+        """What the cache may hold now (``room.py``): ``budget_bytes``, or less where its filesystem has less
+        room; ``written_bytes``: files written and not yet committed."""
+        return self._room.effective_budget(written_bytes)
 
     def evict(self, target_bytes: int) -> list[str]:
         """Evict least recently used chunks (uploaded ones first; never pinned ones) until the cache holds at
         most ``target_bytes``; the keys evicted. The node agent's job; also the way out of a full disk.
         CacheError when the disk is so full that not even the ballast's room lets the index commit."""
         self.flush()  # the touches buffered here count: what was just used stays
-        try:
-            eviction = self._index.evict(max(0, target_bytes))
-        except CacheError as exc:
-            # The disk is full (LMDB reports a short write as EIO): take the ballast's room for a commit small
-            # enough to fit in it. The files of its victims give room back; the next call evicts the rest.
-            if not (isinstance(exc, CacheFull) or self._space()[0] < _FULL_DISK_BYTES):
-                raise
-            if not self._ballast.release():
-                raise
-            eviction = self._index.evict(max(0, target_bytes), _FULL_DISK_VICTIMS)
+        eviction = self._room.evict(target_bytes)
         self._unlink(eviction.victims)
         self._count_evicted(len(eviction.victims))
-        self._keep_ballast()
+        self._room.keep_ballast()
         return [key for key, _ in eviction.victims]
 
     def make_room(self, nbytes: int) -> list[str]:
@@ -257,93 +227,16 @@ class NVMeCache:
             return []
         return evicted
 
-    def _keep_ballast(self) -> None:
-        """Release the ballast on a disk too full to write a page, put it back once there is room."""
-        try:
-            free, _ = self._space()
-            if free < _FULL_DISK_BYTES:
-                self._ballast.release()
-            else:
-                self._ballast.restore()
-        except (OSError, CacheError) as exc:
-            log.debug("cannot tend the ballast of %s: %s", self.directory, exc)
-
-    def _space(self) -> tuple[int, int]:
-        """(bytes free for this process, filesystem size) where the cache lives."""
-        try:
-            st = os.statvfs(self.directory)
-        except OSError as exc:
-            raise CacheError(f"cannot read the free space of {self.directory!r}: {exc}") from exc
-        return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
-
-    def _warn_if_disk_is_smaller(self) -> None:
-        try:
-            budget = self.effective_budget()
-        except (OSError, CacheError):
-            return
-        if budget < self.budget_bytes:
-            log.warning(
-                "cache_bytes is %d but %s has room for only %d (used by the cache and free, less a reserve): "
-                "the cache keeps to the free space and evicts to stay there",
-                self.budget_bytes,
-                self.directory,
-                budget,
-            )
-
     # -- reads -------------------------------------------------------------------------------------------
 
     def read_into(self, located: CachedChunk, dest: memoryview) -> ReadResult:
-        """Read and verify the chunk into ``dest`` (exactly its raw length). Changes nothing: on CORRUPT
-        the caller discards, on GONE or REPLACED it ``forget``s. ``dest`` holds garbage unless the result is
-        OK."""
-        out = flat(dest)
-        if len(out) != located.raw_length:
-            return ReadResult(
-                ReadStatus.UNREADABLE, f"chunk holds {located.raw_length} bytes, buffer {len(out)}"
-            )
-        try:
-            if located.codec == Codec.NONE:
-                if located.size != stored_size(located.raw_length):
-                    return ReadResult(ReadStatus.CORRUPT, "index entry size differs from its raw length")
-                got = self._files.read_into(located.path, HEADER_BLOCK, out)
-                if got != len(out):
-                    return ReadResult(ReadStatus.CORRUPT, f"truncated file: {got} of {len(out)} bytes")
-                if content_checksum(located.key, out) != located.checksum:
-                    return ReadResult(ReadStatus.CORRUPT, "checksum mismatch")
-                return _OK
-            blob = self._files.read_whole(located.path, located.size)
-            if len(blob) != located.size:
-                return ReadResult(ReadStatus.CORRUPT, f"truncated file: {len(blob)} of {located.size} bytes")
-            header = decode_into(located.key, blob, out)
-            if header.checksum != located.checksum:
-                return ReadResult(ReadStatus.CORRUPT, "file differs from its index entry")
-            return _OK
-        except FileNotFoundError:
-            return ReadResult(ReadStatus.GONE)
-        except ChunkCorrupt as exc:
-            return ReadResult(ReadStatus.CORRUPT, str(exc))
-        except ChunkUnreadable as exc:
-            if located.pending_upload:
-                # Its only copy, maybe a newer kvstore's on this node mid-upgrade: left for readers that can.
-                return ReadResult(ReadStatus.UNREADABLE, str(exc))
-            # Not the file the index admitted, and the bucket has the chunk: a node-local copy that would only
-            # ever cost a read before each miss.
-            return ReadResult(ReadStatus.REPLACED, str(exc))
-        except OSError as exc:
-            return ReadResult(ReadStatus.FAILED, str(exc))
+        """Read and verify the chunk into ``dest`` (exactly its raw length); see ``reading.read_into``. On
+        CORRUPT the caller discards, on GONE or REPLACED it ``forget``s."""
+        return read_into(self._files, located, dest)
 
     def read_stored(self, located: CachedChunk) -> memoryview:
-        """The whole chunk file as stored (what an upload PUTs), in this thread's staging buffer: valid
-        until this thread's next read. FileNotFoundError if it is gone, CacheError if it is torn."""
-        try:
-            blob = self._files.read_whole(located.path, located.size)
-        except FileNotFoundError:
-            raise
-        except OSError as exc:
-            raise CacheError(f"cannot read {located.path}: {exc}") from exc
-        if len(blob) != located.size:
-            raise CacheError(f"{located.path} is {len(blob)} bytes, its index entry says {located.size}")
-        return blob
+        """The whole chunk file as stored (what an upload PUTs); see ``reading.read_stored``."""
+        return read_stored(self._files, located)
 
     def locate_many(self, keys: Sequence[str]) -> list[CachedChunk | None]:
         """`locate` for many keys from one index snapshot (no touches: the caller records its own)."""
