@@ -13,6 +13,7 @@ import logging
 
 from kvstore.cache import NVMeCache
 from kvstore.engine.bad_chunks import count_removals
+from kvstore.errors import CacheClosed, KVStoreError
 from kvstore.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
@@ -30,11 +31,18 @@ class Evictor:
         self._high = high
 
     def check(self) -> list[str]:
-        """Evict down to the low watermark if usage passed the high one; the keys evicted."""
-        budget = self._cache.effective_budget()
-        if self._cache.used_bytes() <= budget * self._high:
+        """Evict down to the low watermark if usage passed the high one; the keys evicted. An eviction that
+        fails (a disk so full that not even the index can commit) is tried again at the next check."""
+        try:
+            budget = self._cache.effective_budget()
+            if self._cache.used_bytes() <= budget * self._high:
+                return []
+            evicted = self._cache.evict(int(budget * self._low))
+        except CacheClosed:
+            raise
+        except KVStoreError as exc:
+            log.warning("cannot evict from the NVMe cache now: %s", exc)
             return []
-        evicted = self._cache.evict(int(budget * self._low))
         count_removals(self._cache, self._metrics)
         if evicted:
             log.debug("evicted %d chunks to stay within %d bytes", len(evicted), budget)

@@ -206,3 +206,45 @@ def test_the_agent_evicts_to_the_free_space_not_to_cache_bytes(small_disk: Path)
         finally:
             agent.stop()
             engine.close()
+
+
+def test_an_agent_whose_evictions_cannot_commit_keeps_running(
+    small_disk: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another file takes the ballast's room too: no eviction can commit. The agent says so and tries again
+    (before: the eviction's error ended the agent); once room returns it evicts."""
+    directory = small_disk / "cache"
+    with NVMeCache(directory, 50 << 30) as cache:
+        engine = TieredStore(None, cache, threads=EngineThreads(disk_workers=2))
+        for first in range(0, 40, 8):
+            batch = keys(40, "full")[first : first + 8]
+            engine.store_many([(k, payload(first + i)) for i, k in enumerate(batch)])
+        agent = NodeAgent(
+            cache,
+            None,
+            metrics=EngineMetrics(CollectorRegistry()),
+            threads=EngineThreads(),
+            pin_sync_s=0,
+            idle_priority=False,
+        )
+        agent.start()
+        try:
+            with caplog.at_level(logging.WARNING, logger="kvstore.agent.eviction"):
+                hog = _fill_disk(small_disk)
+                (directory / "ballast").unlink(missing_ok=True)  # spent already
+                more = _fill_disk(small_disk / "cache")
+                wait_for(
+                    lambda: any("cannot evict" in r.getMessage() for r in caplog.records),
+                    what="an eviction that cannot commit",
+                )
+                assert agent.running
+            hog.unlink()
+            more.unlink()
+            wait_for(
+                lambda: cache.used_bytes() <= 0.9 * cache.effective_budget(),
+                what="the agent to evict once there is room",
+            )
+            assert agent.running
+        finally:
+            agent.stop()
+            engine.close()
