@@ -37,21 +37,9 @@ class RequestCounts:
     def __sub__(self, earlier: RequestCounts) -> RequestCounts:
         return RequestCounts(*(getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)))
 
-    @property
-    def total(self) -> float:
-        return self.get + self.put + self.list + self.delete + self.other
-
     def cost_usd(self) -> float:
         """What these requests cost at S3's list prices."""
-        return sum(getattr(self, kind) * price / 1e6 for kind, price in S3_PRICES_PER_MILLION.items())
-
-    def per(self, chunks: float) -> dict[str, float]:
-        """Requests of each kind per chunk, and the cost of a million such chunks (US dollars)."""
-        if chunks <= 0:
-            return {}
-        out = {kind: getattr(self, kind) / chunks for kind in ("get", "put", "list", "delete")}
-        out["usd_per_million_chunks"] = self.cost_usd() / chunks * 1e6
-        return out
+        return sum(float(getattr(self, kind)) * price / 1e6 for kind, price in S3_PRICES_PER_MILLION.items())
 
 
 def read_request_counts(
