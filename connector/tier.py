@@ -97,6 +97,9 @@ _AGENT_CHOICES: dict[str, AgentMode] = {"auto": "spawn", "external": "none"}
 
 
 _CHUNK_KEY_MEMO = 262_144
+# The lookup's answers, read from module globals rather than through their enums on every call.
+_PENDING, _MISS = Presence.PENDING, Presence.MISS
+_HIT, _RETRY, _LOOKUP_MISS = LookupResult.HIT, LookupResult.RETRY, LookupResult.MISS
 
 
 class UnknownChunk(NamedTuple):
@@ -205,6 +208,9 @@ class KVStoreTier(SecondaryTierManager):
             agent=_AGENT_CHOICES[agent],
         )
         self._engine = self._node.engine
+        # vLLM asks about every chunk of a waiting request on every step: bound once, not per call.
+        self._lookup_cached = self._engine.lookup_cached
+        self._needs_probe = self._engine.needs_probe
         # Benchmarks: each request's milestones, appended to this file (see `kvstore.engine.timeline`).
         path = options.get("timeline_path")
         self._timeline = Timeline(str(path)) if path else None
@@ -283,18 +289,18 @@ class KVStoreTier(SecondaryTierManager):
             if len(self._chunk_keys) >= _CHUNK_KEY_MEMO:
                 self._chunk_keys.clear()
             chunk = self._chunk_keys[key] = self.namespace.chunk_key(key)
-        found = self._engine.lookup_cached(chunk)
-        if found is Presence.PENDING:
+        found = self._lookup_cached(chunk)
+        if found is _PENDING:
             # Probed as one batch at the end of the step, per request and group in lookup order.
-            if self._engine.needs_probe(chunk):
+            if self._needs_probe(chunk):
                 position = req_context.get_offload_key_position(key)
                 self._unprobed.append(UnknownChunk(req_context.req_id, key[-4:], position, chunk))
-            return LookupResult.RETRY
-        if found is Presence.MISS:
-            return LookupResult.MISS
+            return _RETRY
+        if found is _MISS:
+            return _LOOKUP_MISS
         if self._timeline is not None:
             self._timeline.mark(milestones.LOOKUP_HIT)
-        return LookupResult.HIT
+        return _HIT
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:

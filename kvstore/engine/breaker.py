@@ -32,6 +32,10 @@ class Breaker:
         """Whether the store may be called now (closed, or its cooldown is over: a trial call)."""
         return self._clock() >= self._down_until
 
+    def available_at(self, now: float) -> bool:
+        """`available` at a time the caller read from the same clock (the scheduler's hot path)."""
+        return now >= self._down_until
+
     def failed(self, op: str, exc: StoreError) -> None:
         self._metrics.store_errors.labels(op).inc()
         with self._lock:

@@ -14,7 +14,7 @@ It does only what a waiting request needs, and composes the parts that do it:
 
 Everything else (uploads, eviction, LRU touches, access records, node counters, pin sync) is the node
 agent's (`kvstore.agent`), in a process of its own at idle priority: the
-engine tells it what it needs through hints (`kvstore.agent.link`) and learns what it did from the node's
+engine tells it what it needs through hints (`kvstore.node.link`) and learns what it did from the node's
 change log, both from its housekeeping, which runs in the probe thread's spare time.
 
 Every chunk is verified before it is served; a chunk that fails is a miss. Only a chunk proven corrupt in a
@@ -33,14 +33,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvstore.agent.link import AgentLink
-from kvstore.agent.supervisor import AgentWatch, register_engine, unregister_engine
 from kvstore.cache import NVMeCache
 from kvstore.chunk import Codec
 from kvstore.engine.admission import Admission
 from kvstore.engine.answers import AnswerCache, Presence
 from kvstore.engine.bad_chunks import count_removals
 from kvstore.engine.breaker import Breaker
+from kvstore.engine.index_writes import IndexWrites
 from kvstore.engine.node_counters import NodeCounters
 from kvstore.engine.outcomes import ChunkEvent, Outcomes
 from kvstore.engine.prefetch import PrefetchBuffer
@@ -51,6 +50,9 @@ from kvstore.engine.timeline import Timeline
 from kvstore.engine.writes import StoreOutcome, Writer
 from kvstore.errors import CacheError
 from kvstore.metrics import EngineMetrics
+from kvstore.node.engines import register_engine, unregister_engine
+from kvstore.node.link import AgentLink
+from kvstore.node.watch import AgentWatch
 from kvstore.stores import ObjectStore
 
 __all__ = ["ChunkEvent", "ShutdownReport", "StoreOutcome", "TieredStore"]
@@ -58,6 +60,7 @@ __all__ = ["ChunkEvent", "ShutdownReport", "StoreOutcome", "TieredStore"]
 log = logging.getLogger(__name__)
 
 _CHANGES_PER_READ = 4096
+_PENDING, _LOCAL, _MISS = Presence.PENDING, Presence.LOCAL, Presence.MISS
 _LAST_HINTS_S = 5.0
 
 
@@ -83,19 +86,23 @@ class TieredStore:
         metrics: EngineMetrics | None = None,
         agent: AgentWatch | None = None,
         counters_sink: Callable[[Mapping[str, int]], None] | None = None,
+        commit_timeout_s: float = 5.0,
+        store_identity: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``agent``: how this engine checks on (and may start) the node agent. ``counters_sink``: where this
         process's figures go for the node's counters; by default to the agent, through the hints (a process
-        that hosts the agent writes them to the index itself)."""
+        that hosts the agent writes them to the index itself). ``commit_timeout_s``: how long a store waits
+        for the index's write lock (another process may hold it: `kvstore.engine.index_writes`).
+        ``store_identity``: the store this engine serves; another on the same cache is refused."""
         self.store = store
         self.cache = cache
         self.codec = codec
         self.metrics = metrics or EngineMetrics.for_registry()
         self.threads = threads or EngineThreads()
-        # "On this node" lives as long as "in the bucket": the node's change log tells this engine when a chunk
-        # leaves (read a few times a second), and a stale answer costs a load a GET, never a wrong byte. Were
-        # it shorter, a conversation back after a pause would wait a probe for chunks this node holds.
+        # "On this node" lives as long as "in the bucket": the node's change log tells this engine when a
+        # chunk leaves (read a few times a second), and a stale answer costs a load a GET, never a wrong
+        # byte. Were it shorter, a conversation back after a pause would wait a probe for chunks it holds.
         answers = AnswerCache(
             local_ttl_s=probe_hit_ttl_s,
             remote_ttl_s=probe_hit_ttl_s,
@@ -113,6 +120,7 @@ class TieredStore:
             answers=answers,
             breaker=Breaker(outage_cooldown_s, self.metrics, clock),
             link=self._link,
+            index_writes=IndexWrites(commit_timeout_s),
         )
         prefetched = PrefetchBuffer(prefetch_bytes, clock=clock)
         self.metrics.prefetch_bytes.set_function(lambda: float(prefetched.held_bytes))
@@ -139,7 +147,7 @@ class TieredStore:
         self._agent = agent
         self._changes_at = cache.change_seq()
         self._housekeeping_lock = threading.Lock()
-        self._marker = register_engine(cache.directory)
+        self._marker = register_engine(cache.directory, store_identity)
         self._closed = False
         self.threads.service("kvstore-probe", self._prober.run)
         self.threads.service("kvstore-admit", self._admission.run)
@@ -189,18 +197,21 @@ class TieredStore:
         tier: the answer is read inline, and it is counted in plain integers that the step's end
         (`probe_prefixes` or `end_of_step`, the scheduler's thread too) adds to the metrics, once a step."""
         entry = self._answer_entries.get(key)
-        if entry is None or self._clock() >= entry[1]:
-            return Presence.PENDING
+        if entry is None:
+            return _PENDING
+        now = self._clock()
+        if now >= entry[1]:
+            return _PENDING
         found = entry[0]
-        if found is Presence.LOCAL:
+        if found is _LOCAL:
             self._looked_up[0] += 1
-        elif found is Presence.MISS:
+        elif found is _MISS:
             self._looked_up[2] += 1
-        elif self._outcomes.store_available:
+        elif self._outcomes.breaker.available_at(now):
             self._looked_up[1] += 1
         else:
             self._looked_up[2] += 1
-            return Presence.MISS  # in the bucket, but the store is down: no load may wait on it
+            return _MISS  # in the bucket, but the store is down: no load may wait on it
         return found
 
     def needs_probe(self, key: str) -> bool:
@@ -334,6 +345,7 @@ class TieredStore:
             # Its last hints (object hits to admit, chunks used) go to an agent that is up or starting.
             self._link.send_within(_LAST_HINTS_S)
         self._link.close()
+        self._outcomes.index_writes.close()
         unregister_engine(self._marker)
         try:
             left = self.cache.backlog().chunks if self.store is not None else 0
