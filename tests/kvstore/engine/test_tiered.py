@@ -771,3 +771,26 @@ def test_an_uploaded_chunk_stays_a_local_hit_also_while_the_store_is_down(
     assert not engine.store_available
     assert [engine.lookup_cached(k) for k in names] == [Presence.LOCAL] * 2
     assert load(engine, names) == [payload(0), payload(1)]
+
+
+def test_a_long_chain_is_answered_in_a_few_waves_not_chunk_by_chunk(
+    cache: NVMeCache, metrics: EngineMetrics, make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each publication of answers becomes a promotion job at vLLM's next step: a 40-chunk request on a new
+    node is answered in waves of a quarter of its chain (the last at its end), not once per GET."""
+    store = MemoryStore()
+    names = keys(40, "waves")
+    fill(store, names)
+    engine = make_engine(store, cache, metrics)
+    published: list[int] = []
+    real_in_bucket = engine._outcomes.in_bucket
+
+    def recording(keys: Sequence[str]) -> None:
+        published.append(len(keys))
+        real_in_bucket(keys)
+
+    monkeypatch.setattr(engine._outcomes, "in_bucket", recording)
+    engine.probe_prefixes([names])
+    wait_for(lambda: engine.probes_in_flight == 0, what="the probe")
+    assert [engine.lookup_cached(k) for k in names] == [Presence.REMOTE] * 40
+    assert sum(published) == 40 and len(published) <= 5
