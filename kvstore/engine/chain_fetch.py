@@ -13,6 +13,7 @@ each with its own round of GIL hand-offs on vLLM's threads, while the GETs it wa
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
@@ -21,6 +22,8 @@ from kvstore.engine.outcomes import Outcomes
 from kvstore.engine.prefetch import PrefetchBuffer
 from kvstore.engine.timeline import GET_RETURNED, Timeline
 from kvstore.errors import StoreError
+
+log = logging.getLogger(__name__)
 
 _MIN_WAVE = 8
 
@@ -35,9 +38,13 @@ class ChainFetch:
         prefetched: PrefetchBuffer,
         *,
         on_done: Callable[[ChainFetch], None],
+        stopping: threading.Event,
         timeline: Timeline | None = None,
     ) -> None:
+        """``on_done`` runs on the last runner once every GET has ended; ``stopping`` ends the batch early
+        (the engine closes: what is not fetched yet stays unanswered)."""
         self.chains = chains
+        self._stopping = stopping
         self._outcomes = outcomes
         self._prefetched = prefetched
         self._on_done = on_done
@@ -73,7 +80,7 @@ class ChainFetch:
         assert store is not None
         try:
             for c, rank in self._order:  # a list iterator hands each item to exactly one runner
-                if self.error is not None or not self._outcomes.store_available:
+                if self.error is not None or self._stopping.is_set() or not self._outcomes.store_available:
                     return
                 if rank >= self._end[c]:
                     continue  # past the chain's first miss: the request cannot use it
@@ -82,6 +89,8 @@ class ChainFetch:
                 except StoreError as exc:  # the store fails: the rest is asked again later
                     self.error = exc
                     return
+        except Exception:  # a runner must end (its batch waits for it); unanswered keys are asked again
+            log.exception("a probe's GETs failed")
         finally:
             with self._lock:
                 self._runners -= 1

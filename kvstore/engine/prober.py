@@ -165,7 +165,12 @@ class Prober:
             self._done(rest)
         elif self._prefetched.enabled:
             fetch = ChainFetch(
-                elsewhere, outcomes, self._prefetched, on_done=self._fetched, timeline=self.timeline
+                elsewhere,
+                outcomes,
+                self._prefetched,
+                on_done=self._fetched,
+                stopping=self._stopping,
+                timeline=self.timeline,
             )
             fetch.start(threads.io.submit, threads.io_workers)
         else:
