@@ -22,7 +22,8 @@ from prometheus_client.core import CounterMetricFamily
 from kvstore.errors import KVStoreError
 
 TIERS = ("nvme", "object")
-DROP_REASONS = ("no_room", "write_error", "store_down", "error")
+# index_busy: the index could not commit in time (another process holds its write lock: a hung agent).
+DROP_REASONS = ("no_room", "write_error", "store_down", "error", "index_busy")
 LOST_UPLOAD_REASONS = ("evicted", "discarded", "fsck", "lost")
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -144,6 +145,12 @@ class EngineMetrics:
         self.agent_hints_dropped = Counter(
             "kvstore:agent_hints_dropped",
             "Hints (chunks used, object hits to admit) an engine could not hand to the node agent",
+            registry=registry,
+        )
+        self.agent_hints_rejected = Counter(
+            "kvstore:agent_hints_rejected",
+            "Hint datagrams the node agent refused in whole or in part (not a hint, a key the index cannot "
+            "hold, an unknown counter or an increment out of bounds)",
             registry=registry,
         )
         # Multi-region (see kvstore.stores.regions): label `region` is the region's configured name.

@@ -11,13 +11,16 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvstore.agent.node_agent import AgentAlreadyRunning, NodeAgent
-from kvstore.agent.supervisor import AgentWatch, spawn_agent
+from kvstore.agent.supervisor import spawn_agent
 from kvstore.agent.uploads import wait_uploaded
 from kvstore.cache import NVMeCache
 from kvstore.config import LOCAL_REGION, Settings, StoreSpec
 from kvstore.engine import EngineThreads, TieredStore
 from kvstore.errors import StoreUnavailable
 from kvstore.metrics import EngineMetrics
+from kvstore.node.engines import check_agreement, store_identity
+from kvstore.node.private import make_private, private_dir
+from kvstore.node.watch import AgentWatch, kill_if_hung
 from kvstore.stores import ObjectStore, RegionalStore, open_store
 from kvstore.stores.embedded import SeaweedServer, ensure_embedded_server
 
@@ -78,19 +81,30 @@ def open_object_store(
         return _open_region(stores[0], suffix), None
     if stores:
         return _open_regions(settings, stores, suffix, metrics), None
-    server = ensure_embedded_server(settings.data_dir / "s3")
+    store, server = open_embedded_store(settings, subprefix=subprefix)
     log.info(
         "no store_url configured: using the embedded S3 server at %s (data in %s)",
         server.endpoint,
         settings.data_dir / "s3",
     )
-    store = open_store(
-        f"s3://{EMBEDDED_BUCKET}{suffix}",
-        endpoint=server.endpoint,
-        access_key=server.access_key,
-        secret_key=server.secret_key,
-        session_token="",  # the caller's AWS_SESSION_TOKEN belongs to another account, not this server
-    )
+    return store, server
+
+
+def open_embedded_store(settings: Settings, *, subprefix: str = "") -> tuple[ObjectStore, SeaweedServer]:
+    """The embedded S3 server under `data_dir` (the one that runs, or a new one) and a store on its bucket."""
+    suffix = f"/{subprefix.strip('/')}" if subprefix else ""
+    server = ensure_embedded_server(settings.data_dir / "s3")
+    try:
+        store = open_store(
+            f"s3://{EMBEDDED_BUCKET}{suffix}",
+            endpoint=server.endpoint,
+            access_key=server.access_key,
+            secret_key=server.secret_key,
+            session_token="",  # the caller's AWS_SESSION_TOKEN belongs to another account, not this server
+        )
+    except BaseException:
+        server.stop()
+        raise
     return store, server
 
 
@@ -150,6 +164,12 @@ def open_node(
     metrics = metrics or EngineMetrics.for_registry()
     if agent == "spawn" and settings.local_store_url.startswith("memory://"):
         agent = "host"  # a memory:// store lives in this process: so must the agent that uploads to it
+    identity = store_identity(settings)
+    # Before anything starts: an engine of another store on this cache is a configuration error.
+    check_agreement(settings.cache_dir, identity, what="this engine")
+    if agent == "spawn":
+        # One stopped inside a write transaction would keep this engine from opening the index at all.
+        kill_if_hung(settings.cache_dir)
     store, server = open_object_store(settings, metrics=metrics)
     try:
         try:
@@ -164,7 +184,7 @@ def open_node(
         if server is not None:
             server.stop()
         raise
-    hosted = _host_agent(settings, cache, store, metrics) if agent == "host" else None
+    hosted = _host_agent(settings, cache, store, metrics, identity) if agent == "host" else None
     watch = None
     if agent == "spawn":
         watch = AgentWatch(
@@ -173,7 +193,39 @@ def open_node(
         )
     elif agent == "host":
         watch = AgentWatch(settings.cache_dir)
-    engine = TieredStore(
+    try:
+        engine = _engine(settings, store, cache, metrics, element_width, watch, hosted, identity)
+    except BaseException:
+        if hosted is not None:
+            hosted.stop()
+        cache.close()
+        store.close()
+        if server is not None:
+            server.stop()
+        raise
+    if watch is not None:
+        watch.check()  # in spawn mode: the first engine on the node starts the agent now
+    return Node(
+        settings=settings,
+        store=store,
+        cache=cache,
+        engine=engine,
+        embedded=server,
+        agent=hosted,
+    )
+
+
+def _engine(
+    settings: Settings,
+    store: ObjectStore,
+    cache: NVMeCache,
+    metrics: EngineMetrics,
+    element_width: int,
+    watch: AgentWatch | None,
+    hosted: NodeAgent | None,
+    identity: str,
+) -> TieredStore:
+    return TieredStore(
         store,
         cache,
         threads=_threads(settings),
@@ -189,16 +241,7 @@ def open_node(
         # A process that hosts the agent writes its figures to the index itself; the agent shares its
         # metrics and publishes none of its own.
         counters_sink=cache.add_counters if hosted is not None else None,
-    )
-    if watch is not None:
-        watch.check()  # in spawn mode: the first engine on the node starts the agent now
-    return Node(
-        settings=settings,
-        store=store,
-        cache=cache,
-        engine=engine,
-        embedded=server,
-        agent=hosted,
+        store_identity=identity,
     )
 
 
@@ -211,11 +254,17 @@ def _threads(settings: Settings) -> EngineThreads:
 
 
 def _host_agent(
-    settings: Settings, cache: NVMeCache, store: ObjectStore, metrics: EngineMetrics
+    settings: Settings, cache: NVMeCache, store: ObjectStore, metrics: EngineMetrics, identity: str
 ) -> NodeAgent | None:
     """The node agent, run by this process unless another process already runs it."""
     agent = NodeAgent.for_settings(
-        settings, cache, store, metrics, idle_priority=False, publish_counters=False
+        settings,
+        cache,
+        store,
+        metrics,
+        idle_priority=False,
+        publish_counters=False,
+        store_identity=identity,
     )
     try:
         agent.start(wait_s=0.5)
@@ -230,8 +279,11 @@ def open_cache(settings: Settings) -> NVMeCache:
     """The node's NVMe cache, its index migrated first if an older release made it (a no-op otherwise)."""
     from kvstore.migrations import migrate  # the migrations import the cache: imported late
 
+    private_dir(settings.cache_dir)
     migrate(cache_dir=settings.cache_dir)
-    return NVMeCache(settings.cache_dir, settings.cache_bytes, direct_io=settings.direct_io)
+    cache = NVMeCache(settings.cache_dir, settings.cache_bytes, direct_io=settings.direct_io)
+    make_private(settings.cache_dir)  # one an older release made, and the index LMDB just created
+    return cache
 
 
 @dataclass

@@ -6,17 +6,25 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from types import FrameType
 
 from prometheus_client import REGISTRY, start_http_server
 
+from kvstore.agent.embedded_store import FollowedStore
 from kvstore.agent.node_agent import AgentAlreadyRunning, NodeAgent
 from kvstore.agent.supervisor import lower_priority
 from kvstore.config import Settings
 from kvstore.metrics import EngineMetrics
+from kvstore.node.engines import StoreMismatch, check_agreement, store_identity
 from kvstore.runtime import open_cache, open_object_store
+from kvstore.stores import ObjectStore
 
 log = logging.getLogger(__name__)
+
+# How often an agent on the embedded store looks for the server that runs now.
+_FOLLOW_EVERY_S = 10.0
+EXIT_MISMATCH = 2
 
 
 def run_agent(
@@ -30,7 +38,14 @@ def run_agent(
     """Run the agent of ``settings.cache_dir`` until SIGTERM/SIGINT (or, with ``exit_when_idle_s``, until no
     engine has used the cache that long and nothing waits for upload). When another agent already runs for
     that directory: with ``wait_for_lock`` (an operator's agent), wait to take over when it goes; without
-    (one an engine started), exit at once with status 1."""
+    (one an engine started), exit at once with status 1. An agent configured for another store than the
+    engines on the cache exits with status 2, saying so."""
+    identity = store_identity(settings)
+    try:
+        check_agreement(settings.cache_dir, identity, what="this node agent", with_agent=False)
+    except StoreMismatch as exc:
+        log.error("%s", exc)
+        return EXIT_MISMATCH
     lower_priority(whole_process=True)  # the threads libraries started, and every thread started from now on
     stop = threading.Event()
 
@@ -39,10 +54,16 @@ def run_agent(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    store: ObjectStore
     store, server = open_object_store(settings)
+    followed = None
+    if server is not None:
+        followed = store = FollowedStore(store, server, lambda: open_object_store(settings))
     cache = open_cache(settings)
     metrics = EngineMetrics.for_registry(REGISTRY)
-    agent = NodeAgent.for_settings(settings, cache, store, metrics, exit_when_idle_s=exit_when_idle_s)
+    agent = NodeAgent.for_settings(
+        settings, cache, store, metrics, exit_when_idle_s=exit_when_idle_s, store_identity=identity
+    )
     try:
         while True:
             try:
@@ -60,12 +81,16 @@ def run_agent(
         if metrics_port:
             start_http_server(metrics_port, addr=metrics_host, registry=REGISTRY)
             log.info("agent metrics on http://%s:%d/metrics", metrics_host, metrics_port)
+        follow_at = time.monotonic() + _FOLLOW_EVERY_S
         while not stop.is_set() and not agent.wait(0.5):
-            pass
+            if followed is not None and time.monotonic() >= follow_at:
+                # This thread lives as long as the process: a server it starts is tied to it.
+                followed.follow()
+                follow_at = time.monotonic() + _FOLLOW_EVERY_S
         return 0
     finally:
         agent.stop()
         cache.close()
         store.close()
-        if server is not None:
+        if server is not None and followed is None:
             server.stop()

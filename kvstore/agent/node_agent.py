@@ -31,8 +31,8 @@ from typing import Any
 from kvstore.access import AccessRecorder
 from kvstore.agent.admission import Admitter
 from kvstore.agent.eviction import Evictor
-from kvstore.agent.link import HintInbox, Hints
-from kvstore.agent.supervisor import HEARTBEAT_S, AgentLock, live_engines, lower_priority
+from kvstore.agent.inbox import HintInbox
+from kvstore.agent.supervisor import lower_priority
 from kvstore.agent.uploads import Uploader
 from kvstore.cache import NVMeCache
 from kvstore.config import Settings
@@ -42,6 +42,9 @@ from kvstore.engine.node_counters import NodeCounters
 from kvstore.engine.threads import EngineThreads
 from kvstore.errors import CacheClosed, KVStoreError
 from kvstore.metrics import EngineMetrics
+from kvstore.node.agent_files import HEARTBEAT_S, AgentLock
+from kvstore.node.engines import live_engines
+from kvstore.node.hints import Hints
 from kvstore.pin_sync import PinSyncLoop
 from kvstore.stores import ObjectStore
 
@@ -50,6 +53,9 @@ log = logging.getLogger(__name__)
 _CHANGES_KEPT = 200_000  # about 30 MB of index; an engine reads the log every fraction of a second
 _EVICT_EVERY_S = 0.5
 _TRIM_EVERY_S = 30.0
+# The node's counters stop growing here, far below the index's 64-bit values: no sum of increments from
+# hints, whoever sends them, can overflow one.
+_COUNTER_CAP = 1 << 62
 
 
 class AgentAlreadyRunning(KVStoreError):
@@ -70,13 +76,15 @@ class NodeAgent:
         exit_when_idle_s: float | None = None,
         idle_priority: bool = True,
         publish_counters: bool = True,
+        store_identity: str = "",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``idle_priority``: lower the agent's threads to SCHED_IDLE and the idle I/O class (in a process of
         its own; a host process whose other threads need the GIL keeps normal priority, or an idle thread
         holding the GIL would stall them). ``publish_counters``: add ``metrics``' growth to the node's
         counters (off when the host process publishes that registry itself). ``exit_when_idle_s``: stop once
-        no engine has used the cache that long and nothing waits (an agent an engine started)."""
+        no engine has used the cache that long and nothing waits (an agent an engine started).
+        ``store_identity``: the store it serves, in its status file (engines of another store are refused)."""
         self.cache = cache
         self.store = store
         self.metrics = metrics
@@ -88,12 +96,15 @@ class NodeAgent:
         self._idle_priority = idle_priority
         self._clock = clock
         self._publish_counters = publish_counters
-        self._lock = AgentLock(cache.directory)
+        self._lock = AgentLock(cache.directory, store=store_identity)
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self._owns_threads = False
         self.hints_received = 0
+        self._failed_hints = 0
+        self._rejected_counted = 0  # of hints_rejected, what the metric has
+        self._inbox: HintInbox | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -177,8 +188,9 @@ class NodeAgent:
             log.info("node agent stopped")
 
     def _start_work(self) -> _Work:
+        self._inbox = HintInbox(self.cache.directory)
         work = _Work(
-            inbox=HintInbox(self.cache.directory),
+            inbox=self._inbox,
             evictor=Evictor(self.cache, self.metrics),
             counters=NodeCounters(
                 self.metrics, self.cache.add_counters if self._publish_counters else _ignore
@@ -204,8 +216,7 @@ class NodeAgent:
         beat_at = evict_at = trim_at = now
         idle_since: float | None = None
         while not self._stopping.is_set():
-            for hints in work.inbox.receive(timeout=min(HEARTBEAT_S, _EVICT_EVERY_S)):
-                self._take(hints, work)
+            self._take_all(work.inbox.receive(timeout=min(HEARTBEAT_S, _EVICT_EVERY_S)), work)
             now = self._clock()
             if now >= beat_at:
                 self._lock.heartbeat()
@@ -227,8 +238,43 @@ class NodeAgent:
             if now >= trim_at:
                 self.cache.trim_changes(_CHANGES_KEPT)
                 trim_at = now + _TRIM_EVERY_S
-        for hints in work.inbox.receive(timeout=0.05):  # stopping: what engines said last still counts
-            self._take(hints, work)
+        self._take_all(work.inbox.receive(timeout=0.05), work)  # stopping: engines' last word still counts
+
+    @property
+    def hints_rejected(self) -> int:
+        """Datagrams refused in whole or in part (not hints, keys the index cannot hold, unknown counters)."""
+        inbox = self._inbox
+        return self._failed_hints + (inbox.rejected if inbox is not None else 0)
+
+    def _take_all(self, received: list[Hints], work: _Work) -> None:
+        counters: dict[str, int] = {}
+        for hints in received:
+            try:
+                self._take(hints, work)
+            except CacheClosed:
+                raise
+            except Exception as exc:  # whatever a hint holds, the agent goes on
+                self._failed_hints += 1
+                log.warning("a hint from pid %s was dropped: %s", hints.pid, exc)
+            for name, delta in hints.counters.items():
+                counters[name] = counters.get(name, 0) + delta
+        if counters:
+            self._add_counters(counters)
+        rejected = self.hints_rejected
+        if rejected > self._rejected_counted:
+            self.metrics.agent_hints_rejected.inc(rejected - self._rejected_counted)
+            self._rejected_counted = rejected
+
+    def _add_counters(self, increments: Mapping[str, int]) -> None:
+        """The engines' increments, in one transaction; each counter stops at ``_COUNTER_CAP``."""
+        try:
+            totals = self.cache.counters()
+            capped = {k: min(v, max(0, _COUNTER_CAP - totals.get(k, 0))) for k, v in increments.items()}
+            self.cache.add_counters(capped)
+        except CacheClosed:
+            raise
+        except KVStoreError as exc:  # figures only
+            log.debug("could not add the engines' counters: %s", exc)
 
     def _take(self, hints: Hints, work: _Work) -> None:
         self.hints_received += 1
@@ -241,8 +287,6 @@ class NodeAgent:
             work.uploader.kick()
         if hints.fetched and work.admitter is not None:
             work.admitter.offer(hints.fetched)
-        if hints.counters:
-            self.cache.add_counters(hints.counters)
 
     def _idle_since(self, since: float | None, now: float, work: _Work) -> float | None:
         busy = (

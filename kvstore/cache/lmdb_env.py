@@ -105,17 +105,27 @@ REGISTRY_LOCK = threading.Lock()
 
 
 def _open_shared(path: str, map_size: int, max_readers: int, sync: bool) -> Shared:
-    os.makedirs(path, exist_ok=True)
+    os.makedirs(path, mode=0o700, exist_ok=True)  # the index names every chunk: its owner's alone
     check_data_file(path)
     # metasync off: one fsync per commit instead of two. LMDB still flushes a commit's pages before its meta
     # page, so a crash can lose the last commit but never leaves a torn index.
     env = lmdb.open(
-        path, map_size=map_size, max_dbs=_MAX_DBS, max_readers=max_readers, sync=sync, metasync=False
+        path,
+        map_size=map_size,
+        max_dbs=_MAX_DBS,
+        max_readers=max_readers,
+        sync=sync,
+        metasync=False,
+        mode=0o600,
     )
     try:
         # Reader slots of SIGKILLed processes would otherwise pin old pages forever.
         env.reader_check()
-        db = {name.decode(): env.open_db(name) for name in _DB_NAMES}
+        # In a write transaction of our own: py-lmdb's default opens each database in one it begins itself,
+        # and waits there for the index's write lock *holding the GIL*, so a process stopped inside a write
+        # transaction (a hung node agent) froze every thread of every process that opened the cache.
+        with env.begin(write=True) as txn:
+            db = {name.decode(): env.open_db(name, txn=txn) for name in _DB_NAMES}
         shared = Shared(
             env=env,
             entries=db["entries"],
@@ -192,7 +202,7 @@ def is_open_in_this_process(directory: str | os.PathLike[str]) -> bool:
 
 def read_schema_version(env: lmdb.Environment) -> int:
     """The schema version an index records (0 before versioning), read through a handle of the caller's."""
-    meta = env.open_db(b"meta")
-    with env.begin() as txn:
+    with env.begin(write=True) as txn:  # not open_db's own: it waits for the write lock holding the GIL
+        meta = env.open_db(b"meta", txn=txn)
         raw = txn.get(_SCHEMA_KEY, db=meta)
     return 0 if raw is None else int(_U64.unpack(raw)[0])

@@ -25,13 +25,14 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.agent.link import AgentLink
 from kvstore.cache import Change, ChangeKind, NVMeCache
 from kvstore.engine.answers import AnswerCache, Presence
 from kvstore.engine.bad_chunks import nvme_copy_corrupt, object_not_usable
 from kvstore.engine.breaker import Breaker
+from kvstore.engine.index_writes import IndexWrites
 from kvstore.engine.io import Fetched
 from kvstore.metrics import EngineMetrics
+from kvstore.node.link import AgentLink
 from kvstore.stores import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -59,11 +60,14 @@ class Outcomes:
         answers: AnswerCache,
         breaker: Breaker,
         link: AgentLink | None,
+        index_writes: IndexWrites | None = None,
     ) -> None:
+        """``index_writes``: where this engine's writes to the index run, each with a deadline."""
         self.store = store
         self.cache = cache
         self.metrics = metrics
         self.breaker = breaker
+        self.index_writes = index_writes or IndexWrites()
         self._answers = answers
         self._link = link
         self._events: deque[ChunkEvent] = deque(maxlen=_MAX_EVENTS)
@@ -144,12 +148,13 @@ class Outcomes:
 
     def nvme_file_gone(self, key: str, path: str) -> None:
         """Evicted by another process after our index read, or lost: drop the entry if it still names that
-        file (the change log then says so to every engine)."""
-        self.cache.forget(key, path)
+        file (the change log then says so to every engine). Past the index's deadline the entry stays: the
+        next reader finds the file gone again."""
+        self.index_writes.run(lambda: self.cache.forget(key, path))
         self._answers.forget(key)
 
     def nvme_copy_corrupt(self, key: str, why: str) -> None:
-        nvme_copy_corrupt(self.cache, key, why, self.metrics)
+        self.index_writes.run(lambda: nvme_copy_corrupt(self.cache, key, why, self.metrics))
         self._answers.forget(key)
 
     # -- stores ------------------------------------------------------------------------------------------

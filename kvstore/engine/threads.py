@@ -14,6 +14,8 @@ kvstore-upload  ``upload_workers`` (8)     PUTs of queued chunks, each read from
 kvstore-journal 1                          claims batches of the upload journal for the upload
                                            threads and records their outcome (service loop)
 kvstore-probe   1                          answers the scheduler's probes (service loop)
+kvstore-index   1                          the engine's index writes, each waited for at most a
+                                           deadline (``index_writes``: never on a hung agent)
 kvstore-admit   1                          writes object hits to NVMe at a quiet moment (service)
 ==============  =========================  =====================================================
 

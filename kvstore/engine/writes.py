@@ -4,6 +4,10 @@ A store writes each new chunk's file with O_DIRECT straight from the caller's bu
 on the disk threads in parallel, then commits them all in one index transaction that also queues them for
 upload. That is all vLLM's process does: the node agent uploads from the journal. A full disk is met by
 making room (evicting) and writing once more, so it never stops caching.
+
+Index writes have a deadline (`index_writes`): a commit that cannot get the index's write lock in time (a
+hung node agent holds it) fails the store instead of holding vLLM's job thread, and while one is that late
+the next stores fail at once, before writing any file.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from kvstore.chunk import Codec, flat, stored_size
 from kvstore.engine import io
 from kvstore.engine.answers import Presence
 from kvstore.engine.bad_chunks import count_removals
+from kvstore.engine.index_writes import Late
 from kvstore.engine.io import Fetched
 from kvstore.engine.outcomes import Outcomes
 from kvstore.engine.threads import EngineThreads
@@ -60,6 +65,11 @@ class Writer:
         kept = [True] * len(items)
         if not fresh:
             return StoreOutcome(written=0, skipped=len(items), failed=0, kept_each=tuple(kept))
+        if outcomes.index_writes.busy:  # no file written that could not be committed now
+            outcomes.metrics.stores_dropped.labels("index_busy").inc(len(fresh))
+            for i in first.values():
+                kept[i] = False
+            return StoreOutcome(0, len(items) - len(fresh), len(fresh), tuple(kept))
         start = time.perf_counter()
         staged = self._write(fresh)
         done = self._commit(staged, since=start)
@@ -86,7 +96,9 @@ class Writer:
         full = [i for i, s in enumerate(staged) if isinstance(s, CacheFull)]
         if full:
             need = sum(stored_size(len(fresh[i][1])) for i in full)
-            evicted = cache.make_room(need)
+            evicted = self._outcomes.index_writes.run(lambda: cache.make_room(need))
+            if isinstance(evicted, Late):
+                return staged  # no room made in time: those chunks stay unwritten (CacheFull)
             log.warning("NVMe cache's disk is full: evicted %d chunks to make room", len(evicted))
             again = threads.map(threads.disk, threads.disk_workers, write, [fresh[i] for i in full])
             for i, result in zip(full, again, strict=True):
@@ -107,8 +119,13 @@ class Writer:
             metrics.stores_dropped.labels("write_error").inc()
         if not files:
             return out
+        pending = outcomes.store is not None
         try:
-            admitted = outcomes.cache.commit(files, pending_upload=outcomes.store is not None)
+            admitted = outcomes.index_writes.run(
+                lambda: outcomes.cache.commit(files, pending_upload=pending),
+                not_started=lambda: outcomes.cache.abandon(files),
+                late=lambda result: self._committed_late(files, result, since),
+            )
         except CacheError as exc:
             log.warning("NVMe index commit of %d chunks failed: %s", len(files), exc)
             metrics.write_failures.labels("nvme").inc(len(files))
@@ -116,6 +133,9 @@ class Writer:
             return out
         finally:
             count_removals(outcomes.cache, metrics)  # what this commit (or a full disk) evicted
+        if isinstance(admitted, Late):
+            metrics.stores_dropped.labels("index_busy").inc(len(files))
+            return out
         ours: list[StagedFile] = []
         lost: list[tuple[int, StagedFile]] = []
         for i, item, ok in zip(at, files, admitted, strict=True):
@@ -135,11 +155,24 @@ class Writer:
             outcomes.stored([f.key for f in ours], [f.entry.size for f in ours], seconds_each)
         return out
 
+    def _committed_late(self, files: list[StagedFile], result: object, since: float) -> None:
+        """A commit its store gave up on finished after all: what it admitted is on NVMe (and queued for
+        upload), announced now; what it did not, `commit` removed."""
+        count_removals(self._outcomes.cache, self._outcomes.metrics)
+        if not isinstance(result, list):
+            return  # it failed: commit removed the files
+        ours = [f for f, ok in zip(files, result, strict=True) if ok]
+        if ours:
+            seconds_each = (time.perf_counter() - since) / len(files)
+            self._outcomes.stored([f.key for f in ours], [f.entry.size for f in ours], seconds_each)
+
     def admit_fetched(self, hits: Sequence[Fetched]) -> int:
         """Write verified object-store chunks as they came (their bytes are the files') and admit them in one
         commit, not queued for upload (the bucket has them); how many were admitted."""
         outcomes = self._outcomes
         metrics, cache, threads = outcomes.metrics, outcomes.cache, self._threads
+        if outcomes.index_writes.busy:
+            return 0  # the index cannot commit now: write nothing it would have to remove
         fresh = [
             hit
             for hit, here in zip(hits, cache.contains_many([h.key for h in hits]), strict=True)
@@ -153,14 +186,24 @@ class Writer:
         if not files:
             return 0
         try:
-            admitted = cache.commit(files)
+            admitted = outcomes.index_writes.run(
+                lambda: cache.commit(files),
+                not_started=lambda: cache.abandon(files),
+                late=lambda result: self._admitted_late(files, result),
+            )
         except CacheError as exc:
             log.warning("NVMe admission of %d object hits failed: %s", len(files), exc)
             metrics.write_failures.labels("nvme").inc(len(files))
             return 0
         finally:
             count_removals(cache, metrics)
+        if isinstance(admitted, Late):
+            return 0
         ours = [f for f, ok in zip(files, admitted, strict=True) if ok]
         metrics.write_bytes.labels("nvme").inc(sum(f.entry.size for f in ours))
         outcomes.on_nvme([f.key for f in ours])
         return len(ours)
+
+    def _admitted_late(self, files: list[StagedFile], result: object) -> None:
+        if isinstance(result, list):
+            self._outcomes.on_nvme([f.key for f, ok in zip(files, result, strict=True) if ok])

@@ -1,4 +1,6 @@
-"""Hints from engines to the node agent over the cache directory's datagram socket."""
+"""Hints from engines to the node agent over the cache directory's datagram socket: split by bytes, kept
+while the agent is away, and whatever a datagram holds, the agent keeps running and stores only what it can
+(keys the index holds, the counters engines publish, bounded)."""
 
 from __future__ import annotations
 
@@ -8,12 +10,26 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
-from kvstore.agent import link as link_module
-from kvstore.agent.link import AgentLink, HintInbox, Hints, SocketAddress, decode
+from kvstore.agent.inbox import HintInbox
 from kvstore.agent.node_agent import NodeAgent
 from kvstore.cache import NVMeCache
-from tests.helpers import wait_for
+from kvstore.engine.node_counters import NodeCounters
+from kvstore.metrics import EngineMetrics
+from kvstore.node import link as link_module
+from kvstore.node.hints import (
+    COUNTERS,
+    MAX_DATAGRAM,
+    MAX_INCREMENT,
+    Hints,
+    SocketAddress,
+    datagrams,
+    decode,
+    encode,
+)
+from kvstore.node.link import AgentLink
+from tests.helpers import sample, wait_for
 
 
 def test_hints_arrive_whole_and_in_as_few_datagrams_as_fit(tmp_path: Path) -> None:
@@ -119,3 +135,122 @@ def test_the_agent_ignores_what_is_not_a_hint(
     assert agent.running
     link.close()
     address.close()
+
+
+def test_keys_of_many_bytes_each_are_split_by_bytes_and_all_arrive(tmp_path: Path) -> None:
+    """Datagrams are sized in encoded bytes: 3,000 keys of Cyrillic and CJK characters (2 and 3 bytes each)
+    once made one datagram of ~540 KB that no socket takes, resent and refused for good, counted nowhere."""
+    inbox = HintInbox(tmp_path)
+    link = AgentLink(tmp_path)
+    cyrillic = [f"ns_abc_r0/{'ключ' * 15}/{i:05d}.bin" for i in range(1500)]
+    cjk = [f"ns_abc_r0/{'键值缓存' * 15}/{i:05d}.bin" for i in range(1500)]
+    received: list[Hints] = []
+
+    def receive() -> None:
+        while len([k for h in received for k in h.fetched]) < len(cyrillic + cjk):
+            got = inbox.receive(timeout=5)
+            if not got:
+                return
+            received.extend(got)
+
+    receiver = threading.Thread(target=receive)
+    receiver.start()
+    try:
+        link.fetched(cyrillic + cjk)
+        assert link.send(), "every datagram fits"
+        receiver.join(30)
+        assert [k for h in received for k in h.fetched] == cyrillic + cjk
+        assert link.dropped == 0
+        assert inbox.rejected == 0
+    finally:
+        link.close()
+        inbox.close()
+
+
+def test_a_key_no_datagram_can_carry_is_dropped_and_counted(tmp_path: Path) -> None:
+    inbox = HintInbox(tmp_path)
+    link = AgentLink(tmp_path)
+    try:
+        link.touched(["k/1.bin", "x" * (MAX_DATAGRAM + 1), "k/2.bin"])
+        assert link.send()
+        assert [k for h in inbox.receive(timeout=2) for k in h.touched] == ["k/1.bin", "k/2.bin"]
+        assert link.dropped == 1
+    finally:
+        link.close()
+        inbox.close()
+
+
+def _send(directory: str, payloads: list[bytes]) -> None:
+    address = SocketAddress(directory)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        for payload in payloads:  # blocking: each waits for room in the agent's queue
+            address.send(sock, payload)
+    address.close()
+
+
+def test_no_datagram_stops_the_agent_and_each_bad_one_is_counted(
+    cache: NVMeCache, start_agent: Callable[..., NodeAgent]
+) -> None:
+    """An empty counter name, one of 600 bytes, 2**64-1 twice, a negative or zero increment, keys the index
+    cannot hold: each once raised out of the agent's loop (MDB_BAD_VALSIZE, struct.error) and stopped it."""
+    metrics = EngineMetrics(CollectorRegistry())
+    agent = start_agent(cache, None, metrics)
+    bad = [
+        Hints(1, counters={"": 1}),
+        Hints(1, counters={"n" * 600: 1}),
+        Hints(1, counters={"nvme.hits": 2**64 - 1}),
+        Hints(1, counters={"nvme.hits": 2**64 - 1}),
+        Hints(1, counters={"nvme.hits": -5}),
+        Hints(1, counters={"nvme.hits": 0}),
+        Hints(1, touched=["", "k" * 600]),
+        Hints(1, stored=["k" * 511]),
+        Hints(1, fetched=["k" * 1000]),
+    ]
+    _send(cache.directory, [encode(h) for h in bad] + [b"", b"not msgpack"])
+    link = AgentLink(cache.directory)
+    link.touched(["k/1.bin"])
+    link.counters({"nvme.hits": 3})
+    assert link.send_within(30)  # the agent's queue may be full of the bad ones a moment
+    link.close()
+    wait_for(lambda: cache.counters().get("nvme.hits") == 3, what="the good hint after the bad ones")
+    assert agent.running
+    assert agent.hints_rejected == len(bad) + 2
+    assert sample(metrics, "kvstore:agent_hints_rejected_total") == len(bad) + 2
+    assert set(cache.counters()) <= COUNTERS
+
+
+def test_only_the_counters_engines_publish_are_kept(
+    cache: NVMeCache, start_agent: Callable[..., NodeAgent]
+) -> None:
+    """Every new name once became a row of the index: 1.79M names in 20 s grew it by 250 MB."""
+    agent = start_agent(cache, None)
+    made_up = [encode(Hints(1, counters={f"made.up.{i}": 1, "nvme.queries": 1})) for i in range(200)]
+    _send(cache.directory, made_up)
+    wait_for(lambda: cache.counters().get("nvme.queries") == 200, what="the known counter's increments")
+    assert set(cache.counters()) == {"nvme.queries"}
+    assert agent.hints_rejected == 200
+
+
+def test_a_counter_stops_growing_far_below_its_64_bits(
+    cache: NVMeCache, start_agent: Callable[..., NodeAgent]
+) -> None:
+    agent = start_agent(cache, None)
+    biggest = encode(Hints(1, counters={"object.read_bytes": MAX_INCREMENT}))
+    rounds = (1 << 64) // MAX_INCREMENT + 10  # enough to overflow an unbounded 64-bit sum
+    _send(cache.directory, [biggest] * rounds)
+    wait_for(lambda: agent.hints_received >= rounds, timeout=120, what="every datagram taken")
+    assert agent.running
+    assert 0 < cache.counters()["object.read_bytes"] < 1 << 63
+
+
+def test_every_counter_an_engine_publishes_is_one_the_agent_accepts() -> None:
+    counters = NodeCounters(EngineMetrics(CollectorRegistry()), lambda _: None)
+    assert set(counters._current()) <= COUNTERS  # the names it publishes, zeros included
+
+
+def test_datagrams_are_sized_in_bytes_not_characters() -> None:
+    keys_ = [f"ns_abc_r0/{'键值' * 40}/{i:05d}.bin" for i in range(3000)]  # 3 bytes a character
+    messages, too_long = datagrams(1, keys_, [], [], {})
+    assert too_long == 0 and len(messages) > 1
+    assert all(len(encode(m)) <= MAX_DATAGRAM for m in messages)
+    assert [k for m in messages for k in m.fetched] == keys_

@@ -10,27 +10,19 @@ import os
 import platform
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvstore.agent.supervisor import (
-    HUNG_S,
-    STATUS_NAME,
-    AgentLock,
-    AgentWatch,
-    agent_status,
-    live_engines,
-    settings_payload,
-    spawn_agent,
-    stop_agent,
-)
-from kvstore.config import Settings, load_settings
+from kvstore.agent.supervisor import settings_payload, spawn_agent, stop_agent
+from kvstore.config import Settings
 from kvstore.metrics import EngineMetrics
-from kvstore.runtime import Node, open_node
+from kvstore.node.agent_files import HUNG_S, STATUS_NAME, AgentLock, agent_status
+from kvstore.node.engines import live_engines
+from kvstore.node.watch import AgentWatch
+from kvstore.runtime import open_node
 from tests.engine_helpers import keys, load, payload
 from tests.helpers import sample, wait_for
 
@@ -38,35 +30,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 _SCHED_IDLE = 5
 _IOPRIO_CLASS_IDLE = 3
-
-
-@pytest.fixture
-def settings(tmp_path: Path, s3_server: Any, s3_bucket: str) -> Iterator[Settings]:
-    made = load_settings(
-        store_url=f"s3://{s3_bucket}",
-        s3_endpoint=s3_server.endpoint,
-        access_key=s3_server.access_key,
-        secret_key=s3_server.secret_key,
-        cache_dir=str(tmp_path / "nvme"),
-        cache_bytes=1 << 30,
-        pin_sync_s=0,
-    )
-    yield made
-    stop_agent(made.cache_dir, timeout_s=5)  # whatever a test started
-
-
-@pytest.fixture
-def open_engine_node(settings: Settings) -> Iterator[Any]:
-    opened: list[Node] = []
-
-    def open_(mode: Any = "spawn") -> Node:
-        node = open_node(settings, metrics=EngineMetrics(CollectorRegistry()), agent=mode)
-        opened.append(node)
-        return node
-
-    yield open_
-    for node in opened:
-        node.close()
 
 
 def test_the_first_engine_starts_an_agent_that_uploads_for_every_engine(
@@ -138,7 +101,7 @@ def test_engines_serve_without_an_agent_and_a_new_one_uploads_everything(
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: not agent_status(settings.cache_dir).running, what="the lock to go with the agent")
     assert load(node.engine, names) == [payload(i) for i in range(8)], "served from NVMe meanwhile"
-    with caplog.at_level(logging.WARNING, logger="kvstore.agent.supervisor"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.node.watch"):
         watch = AgentWatch(settings.cache_dir, every_s=0)
         assert not watch.check()
     assert "no node agent runs" in caplog.text
@@ -178,12 +141,9 @@ def test_a_hung_agent_is_replaced(settings: Settings) -> None:
 
 
 _BUSY_HOLDER = """
-import fcntl, json, os, sys, time
-directory = sys.argv[1]
-fd = os.open(os.path.join(directory, "agent.lock"), os.O_RDWR | os.O_CREAT)
-fcntl.flock(fd, fcntl.LOCK_EX)
-with open(os.path.join(directory, "agent.json"), "w") as f:
-    json.dump({"pid": os.getpid(), "host": "here", "started": time.time()}, f)
+import sys
+from kvstore.node.agent_files import AgentLock
+assert AgentLock(sys.argv[1]).acquire(wait_s=5)
 print("locked", flush=True)
 while True:
     pass
@@ -250,8 +210,6 @@ node.close()
 def test_two_engine_processes_on_one_node_share_one_agent(settings: Settings) -> None:
     import subprocess
     import sys
-
-    from kvstore.agent.supervisor import settings_payload
 
     payload = settings_payload(settings).decode()
     engines = [
