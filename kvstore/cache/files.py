@@ -62,6 +62,10 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # A tmp file this old is a leftover whatever its pid says (the pid may have been reused): no write takes this
 # long.
 _TMP_MAX_AGE_S = 3600.0
+# The cache is its owner's alone, whatever the umask (see kvstore.node.private): anyone who can read a chunk
+# file reads a prompt's KV.
+_FILE_MODE = 0o600
+_DIR_MODE = 0o700
 
 
 def key_digest(key: str) -> str:
@@ -143,8 +147,9 @@ class ChunkFiles:
         self._marker = ""
         self._buffers = _Aligned()
         try:
-            self._chunks.mkdir(parents=True, exist_ok=True)
-            self._writers.mkdir(exist_ok=True)
+            self.root.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+            self._chunks.mkdir(mode=_DIR_MODE, exist_ok=True)
+            self._writers.mkdir(mode=_DIR_MODE, exist_ok=True)
             self.direct_io = False if repair else self._probe(direct_io)
         except OSError as exc:
             raise CacheError(
@@ -169,7 +174,7 @@ class ChunkFiles:
         try:
             if want_direct and O_DIRECT:
                 try:
-                    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT, 0o644)
+                    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT, _FILE_MODE)
                     try:
                         os.write(fd, page)
                     finally:
@@ -183,7 +188,7 @@ class ChunkFiles:
                         "%s refuses O_DIRECT: chunk files use buffered I/O (the page cache keeps copies)",
                         self.root,
                     )
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
             try:
                 os.write(fd, page)
             finally:
@@ -222,12 +227,12 @@ class ChunkFiles:
             iov = self._aligned_iov(parts)
         try:
             try:
-                fd = os.open(tmp, flags, 0o644)
+                fd = os.open(tmp, flags, _FILE_MODE)
             except FileNotFoundError:
                 # First admission into this fan-out directory (or fsck removed an empty one): create, retry.
                 with contextlib.suppress(FileExistsError):
-                    os.mkdir(folder)
-                fd = os.open(tmp, flags, 0o644)
+                    os.mkdir(folder, _DIR_MODE)
+                fd = os.open(tmp, flags, _FILE_MODE)
             except OSError as exc:
                 if not (self.direct_io and exc.errno == errno.EINVAL):
                     raise
@@ -236,7 +241,7 @@ class ChunkFiles:
                 self.direct_io = False
                 flags &= ~O_DIRECT
                 iov = parts
-                fd = os.open(tmp, flags, 0o644)
+                fd = os.open(tmp, flags, _FILE_MODE)
             try:
                 expected = sum(memoryview(p).nbytes for p in iov)
                 written = os.pwritev(fd, iov, 0)
@@ -343,8 +348,8 @@ class ChunkFiles:
 
     def _register_writer(self) -> None:
         marker = f"{self._writers}/{os.getpid()}.{secrets.token_hex(4)}"
-        with open(marker, "x"):  # on a full disk this may fail: the next write tries again
-            pass
+        # On a full disk this may fail: the next write tries again.
+        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE))
         self._pid, self._marker = os.getpid(), marker
 
     def close(self) -> None:
