@@ -113,15 +113,19 @@ _OPENER = """
 import sys, threading, time
 from kvstore.cache import NVMeCache
 
+def say(line):
+    sys.stdout.write(line + "\\n")  # one write a line: the two threads' lines never interleave
+    sys.stdout.flush()
+
 def tick():
     while True:
-        print("tick", flush=True)
+        say("tick")
         time.sleep(0.05)
 
+say("opening")
 threading.Thread(target=tick, daemon=True).start()
-print("opening", flush=True)
 NVMeCache(sys.argv[1], 1 << 30).close()
-print("opened", flush=True)
+say("opened")
 """
 
 
@@ -140,7 +144,9 @@ def test_opening_the_cache_beside_a_stopped_writer_never_freezes_the_process(
     )
     reader.start()
     try:
-        wait_value(lambda: _next(lines) == "opening", what="the opener to begin")
+        deadline = time.monotonic() + 120  # a bound on a slow start (imports on a busy machine)
+        while _next(lines, timeout=1.0) != "opening":
+            assert time.monotonic() < deadline and opener.poll() is None, "the opener never began"
         ticks = 0
         deadline = time.monotonic() + 120  # a bound on a freeze: 60 ticks take 3 s
         while ticks < 60 and time.monotonic() < deadline:
