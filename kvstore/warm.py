@@ -6,7 +6,7 @@ that matches none of them is refused), then for each chunk:
 
 - already on this node (NVMe or the upload queue): nothing to do;
 - in the bucket only: with `prefetch`, GET it, verify it and write it to this node's NVMe now (`prefetch`,
-  through the node agent's admission path, `kvstore.agent.admission`);
+  `kvstore.warm_fetch`);
 - nowhere: with a vLLM endpoint (`kvstore.vllm_api`), one completion request (`max_tokens=1`) makes an engine
   running our tier
   compute the prompt's KV and store it; the tier uploads write-behind, so the bucket is polled until the
@@ -29,7 +29,6 @@ from typing import Any
 
 import httpx
 
-from kvstore.agent.admission import fetch_into_cache
 from kvstore.engine import Presence
 from kvstore.errors import ConfigError, KVStoreError, StoreError
 from kvstore.hashing import DEFAULT_HASH_ALGO, chunk_keys
@@ -38,6 +37,7 @@ from kvstore.keys import Namespace
 from kvstore.pins import PinExists, create_pin, load_namespace
 from kvstore.runtime import Node
 from kvstore.vllm_api import ServedModel, VLLMError, VLLMUnreachable, find_served, request_prefill
+from kvstore.warm_fetch import fetch_into_cache
 
 __all__ = [
     "ServedModel",

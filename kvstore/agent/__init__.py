@@ -4,7 +4,6 @@
 ``node_agent``      `NodeAgent`: uploads, eviction, touches and access records, counters, pin sync, the
                     change log's trimming
 ``uploads``         the upload journal's drain
-``admission``       object-store chunks into NVMe (warming)
 ``eviction``        the budget and the disk's free space
 ``inbox``           what engines send it (hints over a datagram socket, screened; never chunk bytes)
 ``supervisor``      its process: priority, start (detached) and stop

@@ -5,7 +5,6 @@ needs:
 
 ==============  ===========================================================================================
 ``uploads``     drains the upload journal into the object store (``Uploader``)
-``admission``   fetches the object-store hits engines report and admits them to NVMe (``Admitter``)
 ``eviction``    keeps the cache below its budget and the disk's free space (``Evictor``)
 touches         applies the engines' "used" hints to the LRU order and records them for GC (access records)
 counters        adds the engines' figures and its own to the node's counters
@@ -29,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.access import AccessRecorder
-from kvstore.agent.admission import Admitter
 from kvstore.agent.eviction import Evictor
 from kvstore.agent.inbox import HintInbox
 from kvstore.agent.supervisor import lower_priority
@@ -201,11 +199,7 @@ class NodeAgent:
             work.uploader = Uploader(
                 self.cache, self.store, breaker, self.metrics, self._threads, cooldown_s=self._cooldown
             )
-            work.admitter = Admitter(self.cache, self.store, self._threads, breaker, self.metrics)
-            work.services = [
-                _service("kvstore-uploads", work.uploader.run),
-                _service("kvstore-admission", work.admitter.run),
-            ]
+            work.services = [_service("kvstore-uploads", work.uploader.run)]
             work.access = AccessRecorder(self.store, interval_s=self._access_flush_s)
             if self._pin_sync_s:
                 work.pin_sync = PinSyncLoop(self.cache, self.store, self._pin_sync_s)
@@ -285,15 +279,9 @@ class NodeAgent:
             work.access.record(hints.stored)
         if hints.stored and work.uploader is not None:
             work.uploader.kick()
-        if hints.fetched and work.admitter is not None:
-            work.admitter.offer(hints.fetched)
 
     def _idle_since(self, since: float | None, now: float, work: _Work) -> float | None:
-        busy = (
-            bool(live_engines(self.cache.directory))
-            or self.cache.backlog().chunks > 0
-            or (work.admitter is not None and work.admitter.queued > 0)
-        )
+        busy = bool(live_engines(self.cache.directory)) or self.cache.backlog().chunks > 0
         if busy:
             return None
         return now if since is None else since
@@ -307,15 +295,13 @@ class _Work:
     evictor: Evictor
     counters: NodeCounters
     uploader: Uploader | None = None
-    admitter: Admitter | None = None
     access: AccessRecorder | None = None
     pin_sync: PinSyncLoop | None = None
     services: list[threading.Thread] = field(default_factory=list)
 
     def stop(self) -> None:
-        for part in (self.uploader, self.admitter):
-            if part is not None:
-                part.stop()
+        if self.uploader is not None:
+            self.uploader.stop()
         for thread in self.services:
             thread.join(30.0)
         if self.pin_sync is not None:

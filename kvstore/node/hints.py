@@ -68,12 +68,12 @@ COUNTERS = frozenset([counter_name(t, f) for t in TIERS for f in FIELDS] + list(
 
 
 class Hints(msgspec.Struct, omit_defaults=True, frozen=True):
-    """One datagram from an engine. ``fetched``: verified object-store hits worth admitting to NVMe;
-    ``touched``: chunks loaded or used (LRU order, access records); ``stored``: chunks just stored (access
-    records, and the uploads have work); ``counters``: increments of the node's counters."""
+    """One datagram from an engine. ``touched``: chunks loaded or used (LRU order, access records);
+    ``stored``: chunks just stored (access records, and the uploads have work); ``counters``: increments of
+    the node's counters. (Releases before 0.2 also sent ``fetched``, object hits for the agent to fetch again
+    and admit; engines now admit them from the bytes they loaded, and the field is ignored.)"""
 
     pid: int
-    fetched: list[str] = []
     touched: list[str] = []
     stored: list[str] = []
     counters: dict[str, int] = {}
@@ -93,7 +93,6 @@ def decode(datagram: bytes) -> Hints | None:
 
 def datagrams(
     pid: int,
-    fetched: Sequence[str],
     touched: Sequence[str],
     stored: Sequence[str],
     counters: Mapping[str, int],
@@ -107,13 +106,13 @@ def datagrams(
     if counters:
         out.append(Hints(pid, counters=dict(counters)))
     too_long = 0
-    for kind, keys in enumerate((fetched, touched, stored)):
+    for kind, keys in enumerate((touched, stored)):
         for batch, skipped in _batches(keys, limit - _ENVELOPE):
             too_long += skipped
             if batch:
-                lists: list[list[str]] = [[], [], []]
+                lists: list[list[str]] = [[], []]
                 lists[kind] = batch
-                out.append(Hints(pid, fetched=lists[0], touched=lists[1], stored=lists[2]))
+                out.append(Hints(pid, touched=lists[0], stored=lists[1]))
     return out, too_long
 
 
@@ -150,17 +149,17 @@ class Screened:
 
 def screen(hints: Hints) -> Screened:
     """Keys the index can hold and known counters with bounded increments; the rest is refused."""
-    fetched, touched, stored = (_usable(keys) for keys in (hints.fetched, hints.touched, hints.stored))
+    touched, stored = (_usable(keys) for keys in (hints.touched, hints.stored))
     counters = {
         name: delta
         for name, delta in hints.counters.items()
         if name in COUNTERS and 0 < delta <= MAX_INCREMENT
     }
-    kept = len(fetched) + len(touched) + len(stored) + len(counters)
-    sent = len(hints.fetched) + len(hints.touched) + len(hints.stored) + len(hints.counters)
+    kept = len(touched) + len(stored) + len(counters)
+    sent = len(hints.touched) + len(hints.stored) + len(hints.counters)
     if kept == sent:
         return Screened(hints, False)
-    return Screened(Hints(hints.pid, fetched, touched, stored, counters), True)
+    return Screened(Hints(hints.pid, touched, stored, counters), True)
 
 
 def _usable(keys: list[str]) -> list[str]:

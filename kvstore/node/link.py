@@ -40,7 +40,6 @@ class AgentLink:
         # Datagrams in flight are charged to the sender (the kernel caps this at net.core.wmem_max).
         with contextlib.suppress(OSError):
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
-        self._fetched: deque[str] = deque(maxlen=_MAX_BUFFERED)
         self._touched: deque[str] = deque(maxlen=_MAX_BUFFERED)
         self._stored: deque[str] = deque(maxlen=_MAX_BUFFERED)
         self._counters: dict[str, int] = {}
@@ -48,9 +47,6 @@ class AgentLink:
         self.sent = 0
         # Keys that never reach the agent: past the buffers' bound while it was away, or too long to send.
         self.dropped = 0
-
-    def fetched(self, keys: Sequence[str]) -> None:
-        self._buffer(self._fetched, keys)
 
     def touched(self, keys: Sequence[str]) -> None:
         self._buffer(self._touched, keys)
@@ -69,12 +65,12 @@ class AgentLink:
 
     @property
     def pending(self) -> bool:
-        return bool(self._fetched or self._touched or self._stored or self._counters)
+        return bool(self._touched or self._stored or self._counters)
 
     def send(self) -> bool:
         """Ship what is buffered; False when the agent is not there to take it (the rest stays buffered)."""
         counters, self._counters = self._counters, {}
-        lists = (_drain(self._fetched), _drain(self._touched), _drain(self._stored))
+        lists = (_drain(self._touched), _drain(self._stored))
         messages, too_long = datagrams(os.getpid(), *lists, counters, limit=self._limit)
         self.dropped += too_long
         for i, hints in enumerate(messages):
@@ -106,7 +102,6 @@ class AgentLink:
         return True
 
     def _keep(self, hints: Hints) -> None:
-        self._buffer(self._fetched, hints.fetched)
         self._buffer(self._touched, hints.touched)
         self._buffer(self._stored, hints.stored)
         self.counters(hints.counters)
@@ -117,7 +112,7 @@ class AgentLink:
 
 
 def _keys(hints: Hints) -> int:
-    return len(hints.fetched) + len(hints.touched) + len(hints.stored)
+    return len(hints.touched) + len(hints.stored)
 
 
 def _drain(keys: deque[str]) -> list[str]:

@@ -1,9 +1,9 @@
-"""How the fleet's routers pick a server: Dynamo's credit per tier, and its cost of cache and load together."""
+"""How the fleet's routers pick a server: Dynamo's credit per tier, and its cost of cache and load."""
 
 from __future__ import annotations
 
-from kvstore.connector.harness.router import Credit
 from kvstore.connector.harness.routed import routing_costs, weighted_blocks
+from kvstore.connector.harness.router import Credit
 
 
 def test_credit_counts_each_tier_beyond_the_one_above_at_its_weight() -> None:

@@ -50,13 +50,11 @@ def test_hints_arrive_whole_and_in_as_few_datagrams_as_fit(tmp_path: Path) -> No
     receiver.start()
     try:
         link.touched(touched)
-        link.fetched(touched[:10])
         link.stored(touched[:3])
         link.counters({"nvme.hits": 5, "nvme.queries": 0})
         assert link.send()
         receiver.join(10)
         assert [k for h in received for k in h.touched] == touched
-        assert [k for h in received for k in h.fetched] == touched[:10]
         assert [k for h in received for k in h.stored] == touched[:3]
         assert [h.counters for h in received if h.counters] == [{"nvme.hits": 5}]
         assert 1 < len(received) < 50
@@ -84,7 +82,7 @@ def test_a_cache_directory_too_long_for_a_socket_address_still_works(tmp_path: P
 def test_hints_wait_for_an_agent_that_is_not_there_yet(tmp_path: Path) -> None:
     link = AgentLink(tmp_path)
     link.touched(["a", "b"])
-    link.fetched(["c"])
+    link.stored(["c"])
     link.counters({"nvme.hits": 2})
     assert not link.send()
     assert link.pending and link.dropped == 0
@@ -93,7 +91,7 @@ def test_hints_wait_for_an_agent_that_is_not_there_yet(tmp_path: Path) -> None:
         assert link.send()
         got = inbox.receive(timeout=2)
         assert [k for h in got for k in h.touched] == ["a", "b"]
-        assert [k for h in got for k in h.fetched] == ["c"]
+        assert [k for h in got for k in h.stored] == ["c"]
         assert [h.counters for h in got if h.counters] == [{"nvme.hits": 2}]
     finally:
         inbox.close()
@@ -147,7 +145,7 @@ def test_keys_of_many_bytes_each_are_split_by_bytes_and_all_arrive(tmp_path: Pat
     received: list[Hints] = []
 
     def receive() -> None:
-        while len([k for h in received for k in h.fetched]) < len(cyrillic + cjk):
+        while len([k for h in received for k in h.touched]) < len(cyrillic + cjk):
             got = inbox.receive(timeout=5)
             if not got:
                 return
@@ -156,10 +154,10 @@ def test_keys_of_many_bytes_each_are_split_by_bytes_and_all_arrive(tmp_path: Pat
     receiver = threading.Thread(target=receive)
     receiver.start()
     try:
-        link.fetched(cyrillic + cjk)
+        link.touched(cyrillic + cjk)
         assert link.send(), "every datagram fits"
         receiver.join(30)
-        assert [k for h in received for k in h.fetched] == cyrillic + cjk
+        assert [k for h in received for k in h.touched] == cyrillic + cjk
         assert link.dropped == 0
         assert inbox.rejected == 0
     finally:
@@ -204,7 +202,7 @@ def test_no_datagram_stops_the_agent_and_each_bad_one_is_counted(
         Hints(1, counters={"nvme.hits": 0}),
         Hints(1, touched=["", "k" * 600]),
         Hints(1, stored=["k" * 511]),
-        Hints(1, fetched=["k" * 1000]),
+        Hints(1, touched=["k" * 1000]),
     ]
     _send(cache.directory, [encode(h) for h in bad] + [b"", b"not msgpack"])
     link = AgentLink(cache.directory)
@@ -250,7 +248,7 @@ def test_every_counter_an_engine_publishes_is_one_the_agent_accepts() -> None:
 
 def test_datagrams_are_sized_in_bytes_not_characters() -> None:
     keys_ = [f"ns_abc_r0/{'键值' * 40}/{i:05d}.bin" for i in range(3000)]  # 3 bytes a character
-    messages, too_long = datagrams(1, keys_, [], [], {})
+    messages, too_long = datagrams(1, keys_, [], {})
     assert too_long == 0 and len(messages) > 1
     assert all(len(encode(m)) <= MAX_DATAGRAM for m in messages)
-    assert [k for m in messages for k in m.fetched] == keys_
+    assert [k for m in messages for k in m.touched] == keys_

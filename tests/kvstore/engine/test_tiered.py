@@ -14,7 +14,6 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvstore.access import read_access_records
-from kvstore.agent.admission import fetch_into_cache
 from kvstore.agent.node_agent import NodeAgent
 from kvstore.cache import NVMeCache, ReadStatus
 from kvstore.chunk import HEADER_BLOCK, Codec, encode, encode_legacy, parse_header
@@ -24,6 +23,7 @@ from kvstore.metrics import EngineMetrics
 from kvstore.stores import MemoryStore, ObjectStore
 from kvstore.stores.base import Buffer
 from kvstore.stores.s3 import S3Store
+from kvstore.warm_fetch import fetch_into_cache
 from tests.cache_helpers import locate, read_chunk, read_status
 from tests.conftest import S3Server
 from tests.engine_helpers import CHUNK, fill, keys, load, payload
@@ -455,7 +455,7 @@ def test_a_chunk_swapped_in_the_bucket_is_never_served_nor_cached(
             if path == "probe":
                 assert wait_answers(engine, [victim]) == [Presence.MISS]
             assert load(engine, [victim]) == [None]
-        else:  # warming and the agent's admission share `fetch_into_cache`
+        else:  # warming's prefetch
             threads = EngineThreads(io_workers=2, disk_workers=2, upload_workers=1)
             try:
                 done = fetch_into_cache(cache, s3_store, threads, [victim], metrics)

@@ -1,17 +1,15 @@
-"""Object-store chunks into the node's NVMe cache: the agent's admission of engines' object hits, and warming.
+"""Chunks of the bucket into this node's NVMe cache: GET, verify, admit (warming's prefetch, `kvstore.warm`).
 
-An engine that served a chunk from the object store tells the agent (a hint: the key, never the bytes); the
-agent fetches it again at idle priority, verifies it and admits it, so the next hit on this node stays on
-the node. The engine's request never waits for this, and vLLM's process spends nothing on it. Warming a
-prompt into a node's cache (`kvstore warm`, the admin API) goes through the same `fetch_into_cache`.
+Engines admit the object hits they serve from the bytes their load verified (`kvstore.engine.admission`);
+this is for chunks nobody on the node asked for yet. A chunk that fails its check follows `bad_chunks`'
+rule and is not admitted.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.cache import NVMeCache, StagedFile
@@ -19,16 +17,15 @@ from kvstore.engine import io
 from kvstore.engine.bad_chunks import object_not_usable
 from kvstore.engine.breaker import Breaker
 from kvstore.engine.threads import EngineThreads
-from kvstore.errors import CacheError, KVStoreError, StoreError
+from kvstore.errors import CacheError, StoreError
 from kvstore.metrics import EngineMetrics
 from kvstore.stores import ObjectStore
+
+__all__ = ["Admitted", "fetch_into_cache"]
 
 log = logging.getLogger(__name__)
 
 _BATCH = 64  # chunks fetched and held in memory at once
-_MAX_QUEUED = (
-    65_536  # keys waiting for admission; past this the oldest are forgotten (a later hit asks again)
-)
 
 
 @dataclass(frozen=True)
@@ -103,65 +100,3 @@ def _admit(cache: NVMeCache, threads: EngineThreads, hits: list[io.Fetched], met
         sum(f.entry.size for f, ok in zip(files, admitted, strict=True) if ok)
     )
     return sum(admitted)
-
-
-class Admitter:
-    """The agent's queue of object hits to admit: deduplicated, bounded, drained by one loop."""
-
-    def __init__(
-        self,
-        cache: NVMeCache,
-        store: ObjectStore,
-        threads: EngineThreads,
-        breaker: Breaker,
-        metrics: EngineMetrics,
-    ) -> None:
-        self._cache = cache
-        self._store = store
-        self._threads = threads
-        self._breaker = breaker
-        self._metrics = metrics
-        self._queued: OrderedDict[str, None] = OrderedDict()
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stopping = threading.Event()
-        self.admitted = 0
-
-    def offer(self, keys: Iterable[str]) -> None:
-        with self._lock:
-            for key in keys:
-                self._queued[key] = None
-            while len(self._queued) > _MAX_QUEUED:
-                self._queued.popitem(last=False)
-        self._wake.set()
-
-    @property
-    def queued(self) -> int:
-        return len(self._queued)
-
-    def stop(self) -> None:
-        self._stopping.set()
-        self._wake.set()
-
-    def run(self) -> None:
-        """The admission loop (one service thread); returns after ``stop``."""
-        while not self._stopping.is_set():
-            with self._lock:
-                batch = [self._queued.popitem(last=False)[0] for _ in range(min(_BATCH, len(self._queued)))]
-            if not batch or not self._breaker.available():
-                self._wake.wait(0.5)
-                self._wake.clear()
-                if batch:
-                    self.offer(batch)  # the store is down: keep them for later
-                continue
-            try:
-                done = fetch_into_cache(
-                    self._cache, self._store, self._threads, batch, self._metrics, breaker=self._breaker
-                )
-            except KVStoreError as exc:  # the index failed: these hits are simply not cached
-                log.warning("admission of %d object hits failed: %s", len(batch), exc)
-                continue
-            except Exception:
-                log.exception("admission of %d object hits failed", len(batch))
-                continue
-            self.admitted += done.written
