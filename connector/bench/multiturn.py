@@ -68,6 +68,7 @@ S3_METHODS = ("cpu+ours", "cpu+obj")
 # vLLM's counters of what the secondary tier stored and loaded (bytes of whole chunks).
 _TIER_WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes_total"
 _TIER_READ_BYTES = "vllm:kv_offload_tiering_read_bytes_total"
+_LOOKUP_DELAY = "vllm:kv_offload_lookup_async_delay_seconds"
 _DRAIN_S = 900.0
 
 
@@ -143,6 +144,10 @@ class Point:
     s3_requests: dict[str, float] = field(default_factory=dict)
     chunks_loaded: float = 0.0
     chunks_stored: float = 0.0
+    # Requests vLLM held back because a tier had not answered its lookups yet, and their mean wait
+    # (vllm:kv_offload_lookup_async_delay_seconds): while one waits, the others' work evicts its KV above.
+    deferred_requests: float = 0.0
+    deferred_mean_s: float = 0.0
 
     def request_economy(self) -> dict[str, float]:
         """GETs and HEADs that found their chunk per chunk loaded, those that found nothing per request (the
@@ -391,6 +396,8 @@ def _run_point(
         journal_drain_s=drain_s,
         drain_agent_cpu_s=drain_cpu,
         s3_requests=asked,
+        deferred_requests=delta(_LOOKUP_DELAY + "_count"),
+        deferred_mean_s=delta(_LOOKUP_DELAY + "_sum") / max(1.0, delta(_LOOKUP_DELAY + "_count")),
         chunks_loaded=delta(_TIER_READ_BYTES) / sizing.chunk_bytes if method in _STORAGE_METHODS else 0.0,
         chunks_stored=delta(_TIER_WRITE_BYTES) / sizing.chunk_bytes if method in _STORAGE_METHODS else 0.0,
     )

@@ -184,6 +184,7 @@ def _print(report: MultiturnReport, title: str, methods: list[str]) -> None:
             "storage",
             "computed",
             "storage hit rate",
+            "deferred req (mean ms)",
         ),
     )
     for p in points:
@@ -198,6 +199,7 @@ def _print(report: MultiturnReport, title: str, methods: list[str]) -> None:
             f"{p.ttft_p90_s:.3f}",
             *(f"{share[k]:.0%}" for k in ("device", "host", "disk", "computed")),
             "-" if p.storage_hit_rate is None else f"{p.storage_hit_rate:.0%}",
+            f"{p.deferred_requests:.0f} ({1e3 * p.deferred_mean_s:.0f})" if p.deferred_requests else "-",
         )
     console.print(throughput)
     cpu = table(
