@@ -25,6 +25,7 @@ from kvstore.connector.configs import cpu_tiering_config
 from kvstore.connector.harness.engine_runner import EngineRun, RequestResult, run_engine
 from kvstore.connector.harness.tiny_model import sample_text
 from kvstore.gc import run_gc
+from kvstore.prompts import tokens_from_prompt
 from kvstore.stores import ObjectStore
 from tests.cache_helpers import cached_keys, locate, read_chunk
 from tests.helpers import wait_for
@@ -110,8 +111,8 @@ def test_restart_and_fleet_sharing(
         wait_for(lambda: len(cached_keys(cache)) == full_chunks, timeout=60, what="the hits on NVMe")
 
     # ... and from its own NVMe after a restart. (A restart on the node that computed the chunks, node A,
-    # serves its own NVMe copies just the same: test_store_down_at_start_and_mid_run's second engine counts
-    # them, test_corrupt_chunks_are_never_served's compares their KV.)
+    # serves its own NVMe copies just the same: test_corrupt_chunks_are_never_served's second engine compares
+    # their KV.)
     local = run(node_b, [prompt])
     assert local.results[0].num_cached_tokens == full_chunks * BLOCK_TOKENS, local.log_tail
     assert_same_kv(local.results[0], ref, local.log_tail)
@@ -149,30 +150,29 @@ def test_store_down_at_start_and_mid_run(
     tiny_model: Path, private_s3_server: Any, private_s3_store: ObjectStore, tmp_path: Path
 ) -> None:
     """An absent store loses nothing: the NVMe cache is the upload journal, so what vLLM stored while the
-    store was down reaches the bucket once it is back (at the latest when the next engine starts)."""
-    prompts = [sample_text(1400, seed=s) for s in (21, 22, 23)]
+    store was down reaches the bucket once it is back. One engine: it starts while the store is down, the
+    store comes back after its first prompt, goes away after the second and returns before the fourth."""
+    prompts = [sample_text(1400, seed=s) for s in (21, 22, 23, 24)]
     cache_dir = tmp_path / "nvme"
     cfg = tier_config(private_s3_server, private_s3_store, cache_dir)
+    first = len(tokens_from_prompt(tiny_model, prompts[0])) // BLOCK_TOKENS  # full chunks of prompt 0
+    journaled: list[int] = []
+
+    def between(i: int) -> None:  # runs while the engine waits: it records, the test asserts afterwards
+        if i == 0:
+            # The first prompt's stores reach NVMe shortly after its request ends (vLLM offloads them).
+            deadline = time.monotonic() + 60
+            with NVMeCache(cache_dir, 1 << 30) as cache:
+                while (backlog := cache.backlog().chunks) < first and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            journaled.append(backlog)
+            private_s3_server.start()  # the node agent retries after its cooldown
+        elif i == 1:
+            private_s3_server.stop()
+        elif i == 2:
+            private_s3_server.start()
 
     private_s3_server.stop()
-    down = run_engine(
-        tiny_model, prompts[:1], kv_transfer_config=cfg, env=creds(private_s3_server), max_tokens=8
-    )
-    full = down.results[0].prompt_len // BLOCK_TOKENS
-    assert full >= 8  # served by recompute, no crash
-    assert down.metric("vllm:kvstore_stores_dropped") == 0, down.log_tail
-    assert down.metric("vllm:kvstore_write_bytes", tier="nvme") > 0
-    with NVMeCache(cache_dir, 1 << 30) as cache:
-        assert cache.backlog().chunks == full, "journaled for upload"
-    private_s3_server.start()
-
-    # Mid-run: the store disappears after the first prompt and returns before the third.
-    def between(i: int) -> None:
-        if i == 0:
-            private_s3_server.stop()
-        elif i == 1:
-            private_s3_server.start()  # the node agent retries after its cooldown
-
     run = run_engine(
         tiny_model,
         prompts,
@@ -181,12 +181,15 @@ def test_store_down_at_start_and_mid_run(
         max_tokens=8,
         between=between,
     )
-    assert len(run.results) == 3 and run.results[0].num_cached_tokens == full * BLOCK_TOKENS
+    full = [r.prompt_len // BLOCK_TOKENS for r in run.results]
+    assert len(full) == 4 and min(full) >= 8 and full[0] == first  # served by recompute, no crash
+    assert journaled == [first], "what the engine stored while the store was down is journaled for upload"
     assert run.metric("vllm:kvstore_stores_dropped") == 0, run.log_tail
+    assert run.metric("vllm:kvstore_write_bytes", tier="nvme") > 0
     uploaded(cache_dir)
     with NVMeCache(cache_dir, 1 << 30) as cache:
         held = {k for k in cached_keys(cache) if k.endswith(".bin")}
-    assert len(held) == sum(r.prompt_len // BLOCK_TOKENS for r in run.results)
+    assert len(held) == sum(full)
     assert held <= set(chunk_objects(private_s3_store)), "every stored chunk was uploaded"
 
 

@@ -4,7 +4,10 @@ bucket: the library call, and the admin service tokenizing through the engine's 
 The server runs through `connector/harness/vllm_server.py` (its own process group and TMPDIR; the group is
 killed and its /dev/shm entries removed at the end, whatever happens). A server that does not come up within
 a generous deadline (`KVSTORE_TEST_VLLM_START_S`, default 600 s) fails the test with its log tail: a slow or
-hung start is a finding, never a skip.
+hung start is a finding, never a skip. The same server is the harness's real-server test (a server start is
+the cost): it answers a completion with usage details and metrics first, and leaves no process, temp dir or
+/dev/shm entry behind when the block exits on an exception (`tests/connector/harness/test_vllm_server.py` has
+the failed start).
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from kvstore.admin.app import create_app
 from kvstore.connector.configs import cpu_tiering_config
+from kvstore.connector.harness.engine_runner import new_shm, shm_snapshot
 from kvstore.connector.harness.tiny_model import sample_text
-from kvstore.connector.harness.vllm_server import VLLMServer, VLLMServerError, vllm_server
+from kvstore.connector.harness.vllm_server import VLLMServer, VLLMServerError, metric_total, vllm_server
 from kvstore.key_scheme import namespace_schemes, scheme_for
 from kvstore.layout import CONFIG_FILENAME
 from kvstore.pins import load_namespace
@@ -38,12 +43,29 @@ START_TIMEOUT_S = float(os.environ.get("KVSTORE_TEST_VLLM_START_S", "600"))
 _ARGS = ["--enforce-eager", "--max-model-len", "8192", "--max-num-seqs", "4"]
 
 
+class _Stop(Exception):
+    """Raised at the end of the server block: the harness must clean up on the way out of an exception."""
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def served(
-    model: Path, tier: dict[str, Any], env: dict[str, str], log: Path, *, timeout_s: float = START_TIMEOUT_S
+    model: Path,
+    tier: dict[str, Any],
+    env: dict[str, str],
+    log: Path | None = None,
+    *,
+    timeout_s: float = START_TIMEOUT_S,
 ) -> Iterator[VLLMServer]:
-    """A vLLM server with `tier` behind it; a start that fails or takes longer than `timeout_s` fails the
-    test with the server's log tail."""
+    """A vLLM server with `tier` behind it (logging to `log`, or to a file in its temp dir); a start that
+    fails or takes longer than `timeout_s` fails the test with the server's log tail."""
     try:
         with vllm_server(
             model,
@@ -83,7 +105,10 @@ def test_warm_and_pin_through_the_engine(
     creds = {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
     tokens = tokens_from_prompt(tiny_model, sample_text(1400, seed=5))[:1500]
     assert len(tokens) >= 1280
-    with served(tiny_model, tier, creds, tmp_path / "server.log") as server:
+    shm_before = shm_snapshot()
+    with pytest.raises(_Stop), served(tiny_model, tier, creds) as server:
+        pgid, log_path = server.process.pid, server.log_path
+        _answers_with_usage_and_metrics(server, tiny_model)
         configs = [o.key for o in s3_store.list() if o.key.endswith("/" + CONFIG_FILENAME)]
         assert len(configs) == 1, configs  # the tier published its namespace at start-up
         namespace = configs[0].split("/", 1)[0]
@@ -139,3 +164,23 @@ def test_warm_and_pin_through_the_engine(
             timeout=180,
         )
         assert job["result"]["still_missing"] == 0 and job["result"]["total"] == len(chat.json()["keys"]), job
+        raise _Stop
+    # Nothing of the server is left: its process group, its temp dir (the log in it), its /dev/shm entries.
+    assert not _group_alive(pgid)
+    assert not log_path.exists()
+    assert not new_shm(shm_before)
+
+
+def _answers_with_usage_and_metrics(server: VLLMServer, model: Path) -> None:
+    """The harness's server, asked first: a completion with usage details, and metrics that counted it."""
+    assert server.base_url.startswith("http://127.0.0.1:")
+    assert server.model == model.name
+    body = {"model": server.model, "prompt": "the cache of the model", "max_tokens": 4, "ignore_eos": True}
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+    response.raise_for_status()
+    answer = response.json()
+    assert answer["usage"]["completion_tokens"] == 4
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # details are on by default
+    metrics = server.metrics()
+    assert metric_total(metrics, "vllm:prompt_tokens_total") == answer["usage"]["prompt_tokens"]
+    assert metric_total(metrics, "vllm:request_success_total") == 1
