@@ -270,6 +270,21 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.OK
 
 
+def open_node_on(server: S3Server, store_url: str, **settings: Any) -> Node:
+    """A real node (S3 store on `server`, NVMe cache, engine with metrics of its own); the caller closes it.
+    Tests use `open_test_node`; a module's tests that share one node open it here."""
+    return open_node(
+        load_settings(
+            store_url=store_url,
+            s3_endpoint=server.endpoint,
+            access_key=server.access_key,
+            secret_key=server.secret_key,
+            **settings,
+        ),
+        metrics=EngineMetrics(CollectorRegistry()),
+    )
+
+
 @pytest.fixture
 def open_test_node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
     """Opens real nodes (S3 store, NVMe cache under `tmp_path/cache` unless given, engine with metrics of its
@@ -278,16 +293,7 @@ def open_test_node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
 
     def open_(server: S3Server, store_url: str, **settings: Any) -> Node:
         settings.setdefault("cache_dir", tmp_path / "cache")
-        node = open_node(
-            load_settings(
-                store_url=store_url,
-                s3_endpoint=server.endpoint,
-                access_key=server.access_key,
-                secret_key=server.secret_key,
-                **settings,
-            ),
-            metrics=EngineMetrics(CollectorRegistry()),
-        )
+        node = open_node_on(server, store_url, **settings)
         opened.append(node)
         return node
 

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from kvstore.lease import Lease, read_lease
 from kvstore.pins import create_pin
 from kvstore.runtime import Node
 from kvstore.stores import ObjectStore
+from tests.conftest import open_node_on
 from tests.helpers import ForwardingStore, cli_env, listed_older_than, wait_for, wait_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -41,6 +42,20 @@ NS = Namespace(
 @pytest.fixture
 def node(s3_server: Any, s3_bucket: str, open_test_node: Callable[..., Node]) -> Node:
     return open_test_node(s3_server, f"s3://{s3_bucket}", cache_bytes=10 << 20)
+
+
+@pytest.fixture(scope="module")
+def refusing_node(s3_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    """One node for the requests it must refuse (none starts a GC, so they share it: a node's start and stop
+    cost half a second)."""
+    with s3_server.bucket() as bucket:
+        shared = open_node_on(
+            s3_server, f"s3://{bucket}", cache_dir=tmp_path_factory.mktemp("gc-api"), cache_bytes=10 << 20
+        )
+        try:
+            yield shared
+        finally:
+            shared.close()
 
 
 def make_app(node: Node, token: str | None = None) -> FastAPI:
@@ -131,14 +146,14 @@ def test_the_cli_and_the_service_keep_the_same_chunks(
         {"ttl_seconds": 10, "unknown": 1},
     ],
 )
-def test_bad_body_is_422(node: Node, body: dict[str, Any]) -> None:
-    client = TestClient(make_app(node))
+def test_bad_body_is_422(refusing_node: Node, body: dict[str, Any]) -> None:
+    client = TestClient(make_app(refusing_node))
     response = client.post("/v1/gc", json=body)
     assert response.status_code == 422 and "detail" in response.json()
 
 
-def test_bad_queries(node: Node) -> None:
-    client = TestClient(make_app(node))
+def test_bad_queries(refusing_node: Node) -> None:
+    client = TestClient(make_app(refusing_node))
     assert client.get("/v1/jobs/nope").status_code == 404
     assert client.get("/v1/jobs/nope").json()["detail"]
     assert client.get("/v1/gc/reports", params={"limit": 0}).status_code == 422

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from kvstore.cache.records import MAX_KEY_BYTES
 from kvstore.keys import KVCacheGroup, Namespace
 from kvstore.layout import PIN_PREFIX
 from kvstore.runtime import Node
+from tests.conftest import open_node_on
 from tests.helpers import free_port
 
 pytestmark = pytest.mark.integration
@@ -30,13 +32,21 @@ NS = Namespace(
 LONE = "\ud800"  # a lone surrogate: a Python str, but no valid UTF-8 encodes it
 
 
-@pytest.fixture
-def node(s3_server: Any, s3_store: Any, open_test_node: Callable[..., Node]) -> Node:
-    url = f"s3://{s3_store.bucket}/{s3_store.prefix}"
+def _settings(cache_dir: Path) -> dict[str, Any]:
     # A vLLM endpoint is configured (nothing listens there): a prompt would go there, and must not get so far.
-    opened = open_test_node(
-        s3_server, url, cache_bytes=4 << 20, admin_token=TOKEN, vllm_urls=[f"http://127.0.0.1:{free_port()}"]
-    )
+    return {
+        "cache_dir": cache_dir,
+        "cache_bytes": 4 << 20,
+        "admin_token": TOKEN,
+        "vllm_urls": [f"http://127.0.0.1:{free_port()}"],
+    }
+
+
+@pytest.fixture
+def node(s3_server: Any, s3_store: Any, open_test_node: Callable[..., Node], tmp_path: Path) -> Node:
+    """A node of the test's own, for tests that store something."""
+    url = f"s3://{s3_store.bucket}/{s3_store.prefix}"
+    opened = open_test_node(s3_server, url, **_settings(tmp_path / "cache"))
     opened.store.put(NS.config_key, json.dumps(NS.fields()).encode())
     return opened
 
@@ -44,6 +54,25 @@ def node(s3_server: Any, s3_store: Any, open_test_node: Callable[..., Node]) -> 
 @pytest.fixture
 def client(node: Node) -> TestClient:
     return TestClient(create_app(node), headers=AUTH)
+
+
+@pytest.fixture(scope="module")
+def shared_node(s3_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    """One node for the module's tests that only send what it must refuse, or read: nothing they send may be
+    stored, so they share it (a node's start and stop cost half a second), and every one of them finds it
+    as empty as the first did."""
+    with s3_server.bucket() as bucket:
+        opened = open_node_on(s3_server, f"s3://{bucket}", **_settings(tmp_path_factory.mktemp("hostile")))
+        try:
+            opened.store.put(NS.config_key, json.dumps(NS.fields()).encode())
+            yield opened
+        finally:
+            opened.close()
+
+
+@pytest.fixture
+def shared_client(shared_node: Node) -> TestClient:
+    return TestClient(create_app(shared_node), headers=AUTH)
 
 
 def post(client: TestClient, route: str, body: dict[str, Any]) -> Any:
@@ -76,9 +105,9 @@ REFUSED = [  # fields the models refuse: the 422 handler echoes the input back
 
 @pytest.mark.parametrize(("route", "body"), REFUSED)
 def test_a_lone_surrogate_in_a_refused_field_is_422(
-    client: TestClient, route: str, body: dict[str, Any]
+    shared_client: TestClient, route: str, body: dict[str, Any]
 ) -> None:
-    answer = post(client, route, body)
+    answer = post(shared_client, route, body)
     assert answer.status_code == 422, answer.text
     assert answer.json()["detail"]
 
@@ -100,17 +129,17 @@ ACCEPTED = [  # fields the models took as they came, until they were checked as 
 @pytest.mark.parametrize("route", ["/v1/pins", "/v1/warm"])
 @pytest.mark.parametrize("body", ACCEPTED)
 def test_bad_text_in_any_string_field_is_422_and_stores_nothing(
-    client: TestClient, node: Node, route: str, body: dict[str, Any]
+    shared_client: TestClient, shared_node: Node, route: str, body: dict[str, Any]
 ) -> None:
-    answer = post(client, route, {**body, "pin": "p"} if route == "/v1/warm" else body)
+    answer = post(shared_client, route, {**body, "pin": "p"} if route == "/v1/warm" else body)
     assert answer.status_code == 422, answer.text
-    assert manifests(node) == []
-    listed = client.get("/v1/pins")
+    assert manifests(shared_node) == []
+    listed = shared_client.get("/v1/pins")
     assert listed.status_code == 200 and listed.json() == {"pins": []}
 
 
-def test_a_warm_pin_name_with_a_lone_surrogate_is_422(client: TestClient) -> None:
-    answer = post(client, "/v1/warm", {**BY_ID, "pin": LONE})
+def test_a_warm_pin_name_with_a_lone_surrogate_is_422(shared_client: TestClient) -> None:
+    answer = post(shared_client, "/v1/warm", {**BY_ID, "pin": LONE})
     assert answer.status_code == 422, answer.text
 
 
@@ -178,15 +207,15 @@ WRONG_TOKENS = [
 
 
 @pytest.mark.parametrize("wrong", WRONG_TOKENS)
-def test_only_the_whole_token_is_accepted(node: Node, wrong: str) -> None:
-    anon = TestClient(create_app(node))
+def test_only_the_whole_token_is_accepted(shared_node: Node, wrong: str) -> None:
+    anon = TestClient(create_app(shared_node))
     assert anon.get("/v1/pins", headers={"Authorization": f"Bearer {wrong}"}).status_code == 403
     assert anon.get("/v1/pins", headers=AUTH).status_code == 200
 
 
-def test_a_trailing_slash_never_redirects_to_the_callers_host(client: TestClient) -> None:
+def test_a_trailing_slash_never_redirects_to_the_callers_host(shared_client: TestClient) -> None:
     for path in ("/v1/pins/", "/v1/gc/reports/", "/v1/stats/", "/healthz/"):
-        answer = client.get(path, headers={"Host": "evil.example"}, follow_redirects=False)
+        answer = shared_client.get(path, headers={"Host": "evil.example"}, follow_redirects=False)
         assert answer.status_code == 404, (path, answer.status_code)
         assert "location" not in answer.headers
         assert "evil.example" not in answer.text

@@ -19,6 +19,7 @@ from kvstore.admin.app import create_app
 from kvstore.keys import KVCacheGroup, Namespace
 from kvstore.layout import PIN_PREFIX
 from kvstore.runtime import Node
+from tests.conftest import open_node_on
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -29,18 +30,19 @@ NS = Namespace(
 FINE = Namespace(model_name="org/tiny", tokens_per_hash=1, dtype="bfloat16")
 
 
+LIMITS: dict[str, Any] = {
+    "cache_bytes": 4 << 20,
+    "admin_token": "s3cret",
+    "admin_max_body_bytes": 256 << 10,
+    "admin_max_tokens": 20_000,
+    "admin_max_chunks": 2_000,
+}
+
+
 @pytest.fixture
 def node(s3_server: Any, s3_store: Any, open_test_node: Callable[..., Node]) -> Node:
     url = f"s3://{s3_store.bucket}/{s3_store.prefix}"
-    opened = open_test_node(
-        s3_server,
-        url,
-        cache_bytes=4 << 20,
-        admin_token="s3cret",
-        admin_max_body_bytes=256 << 10,
-        admin_max_tokens=20_000,
-        admin_max_chunks=2_000,
-    )
+    opened = open_test_node(s3_server, url, **LIMITS)
     for ns in (NS, FINE):
         opened.store.put(ns.config_key, json.dumps(ns.fields()).encode())
     return opened
@@ -49,6 +51,22 @@ def node(s3_server: Any, s3_store: Any, open_test_node: Callable[..., Node]) -> 
 @pytest.fixture
 def client(node: Node) -> TestClient:
     return TestClient(create_app(node), headers=AUTH)
+
+
+@pytest.fixture(scope="module")
+def refusing_client(s3_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    """One node for the many requests it must refuse (nothing they send is stored, so they share it: a
+    node's start and stop cost half a second)."""
+    with s3_server.bucket() as bucket:
+        shared = open_node_on(
+            s3_server, f"s3://{bucket}", cache_dir=tmp_path_factory.mktemp("limits"), **LIMITS
+        )
+        try:
+            for ns in (NS, FINE):
+                shared.store.put(ns.config_key, json.dumps(ns.fields()).encode())
+            yield TestClient(create_app(shared), headers=AUTH)
+        finally:
+            shared.close()
 
 
 def test_a_body_over_the_limit_is_413_declared_or_streamed(client: TestClient) -> None:
@@ -110,10 +128,10 @@ BODIES = [  # "@" stands for the odd number
 @pytest.mark.parametrize("odd", ODD)
 @pytest.mark.parametrize(("route", "template"), BODIES)
 def test_non_finite_numbers_are_422_never_500(
-    client: TestClient, route: str, template: str, odd: str
+    refusing_client: TestClient, route: str, template: str, odd: str
 ) -> None:
     text = template.replace("NSID", NSID).replace("@", odd)
-    answer = client.post(route, content=text.encode(), headers={"content-type": "application/json"})
+    answer = refusing_client.post(route, content=text.encode(), headers={"content-type": "application/json"})
     assert answer.status_code == 422, answer.text
     assert answer.json()["detail"]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from kvstore.pins import get_pin
 from kvstore.prompts import tokens_from_prompt
 from kvstore.runtime import Node
 from tests.admin.vllm_standin import SECRET_ANSWER, VLLMStandIn
+from tests.conftest import open_node_on
 from tests.helpers import wait_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -50,6 +51,26 @@ def nodes(
 @pytest.fixture
 def client(nodes: tuple[Node, Node]) -> TestClient:
     return TestClient(create_app(nodes[1]), headers=AUTH)
+
+
+@pytest.fixture(scope="module")
+def refusing_client(s3_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    """One admin node, the namespace in its bucket, for the requests it must refuse (nothing they send
+    starts a job or stores anything, so they share it: two nodes' start and stop cost a second)."""
+    with s3_server.bucket() as bucket:
+        admin = open_node_on(
+            s3_server,
+            f"s3://{bucket}",
+            cache_dir=tmp_path_factory.mktemp("warm-api"),
+            cache_bytes=16 << 20,
+            admin_token="s3cret",
+        )
+        try:
+            admin.store.put(NS.config_key, json.dumps(NS.fields()).encode())
+            record_scheme(admin.store, NS, scheme_for())
+            yield TestClient(create_app(admin), headers=AUTH)
+        finally:
+            admin.close()
 
 
 def test_warm_job_prefetches_and_pins(client: TestClient, nodes: tuple[Node, Node]) -> None:
@@ -185,13 +206,13 @@ def test_auth(nodes: tuple[Node, Node]) -> None:
         {"namespace": "../x", "token_ids": TOKENS},  # invalid namespace id
     ],
 )
-def test_bad_bodies_are_422(client: TestClient, body: dict[str, Any]) -> None:
-    r = client.post("/v1/warm", json=body)
+def test_bad_bodies_are_422(refusing_client: TestClient, body: dict[str, Any]) -> None:
+    r = refusing_client.post("/v1/warm", json=body)
     assert r.status_code == 422, r.text
     assert "detail" in r.json()
 
 
-def test_unknown_namespace_is_404(client: TestClient) -> None:
-    r = client.post("/v1/warm", json={"namespace": "org_tiny_000000000000", "token_ids": TOKENS})
+def test_unknown_namespace_is_404(refusing_client: TestClient) -> None:
+    r = refusing_client.post("/v1/warm", json={"namespace": "org_tiny_000000000000", "token_ids": TOKENS})
     assert r.status_code == 404 and "not found" in r.json()["detail"]
-    assert client.get("/v1/jobs/nope").status_code == 404
+    assert refusing_client.get("/v1/jobs/nope").status_code == 404
