@@ -83,6 +83,7 @@ class Prober:
 
     def stop(self) -> None:
         self._stopping.set()
+        self._requests.put([])  # wakes the thread now rather than at its next idle tick
 
     def run(self) -> None:
         """The probe thread: answers what the index knows at once, and hands the rest to the object store
@@ -92,6 +93,8 @@ class Prober:
                 chains = self._requests.get(timeout=_IDLE_S)
             except queue.Empty:
                 self._on_idle()
+                continue
+            if not chains:  # `stop`'s wake-up (probe_prefixes never queues an empty list)
                 continue
             pending = sum(map(len, chains))
             while pending < _MAX_PENDING_PROBES:
