@@ -38,7 +38,7 @@ from kvstore.connector.configs import cpu_tiering_config
 from kvstore.connector.harness.engine_runner import EngineRun, run_engine
 from kvstore.connector.harness.tiny_model import build_tiny_model, sample_text
 from kvstore.engine import timeline as milestones
-from kvstore.engine.timeline import Episode, read_timelines
+from kvstore.engine.timeline import Episode, Phase, episode_phases, read_timelines
 
 TTFT_METHODS = ("recompute", "fs", "ours-nvme", "ours-bucket", "obj")
 DESCRIPTIONS = {
@@ -69,16 +69,6 @@ class TTFTRow:
         if self.s3_get is None or not self.chunks_loaded:
             return None
         return self.s3_get / self.chunks_loaded
-
-
-@dataclass
-class Phase:
-    """One stretch of a new node's request: from a milestone to the next, median over the prompts."""
-
-    name: str
-    start_ms: float  # from the generate call
-    end_ms: float
-    cpu_ms: float  # CPU time of the whole engine process (vLLM and our threads) in the stretch
 
 
 @dataclass
@@ -210,17 +200,6 @@ def _counted(
     return row, done
 
 
-# The stretches of a new node's request, each from its first milestone to its second (first or last time).
-_PHASES = (
-    ("scheduler's first lookups", None, (milestones.LOOKUP, "first")),
-    ("index read", (milestones.LOOKUP, "first"), (milestones.INDEX_READ, "first")),
-    ("first GET returned", (milestones.INDEX_READ, "first"), (milestones.GET_RETURNED, "first")),
-    ("all GETs returned", (milestones.GET_RETURNED, "first"), (milestones.GET_RETURNED, "last")),
-    ("last promotion reported", (milestones.GET_RETURNED, "last"), (milestones.LOAD_REPORTED, "last")),
-    ("first token", (milestones.LOAD_REPORTED, "last"), None),
-)
-
-
 def phases(episodes: list[Episode], run: EngineRun) -> tuple[list[Phase], dict[str, float]]:
     """Median phases of a new node's requests (their episodes beside their generate calls), and median
     counts: scheduler steps, lookups, promotion jobs, GETs."""
@@ -230,7 +209,7 @@ def phases(episodes: list[Episode], run: EngineRun) -> tuple[list[Phase], dict[s
         marks = episode.milestones
         if any(m not in marks for m in (milestones.LOOKUP, milestones.INDEX_READ, milestones.LOAD_REPORTED)):
             continue
-        per_prompt.append(_episode_phases(episode, g0, g1))
+        per_prompt.append(episode_phases(episode, g0, g1))
         for name in (milestones.STEP, milestones.LOOKUP, milestones.LOAD_SUBMITTED, milestones.GET_RETURNED):
             counts.setdefault(name, []).append(marks[name].count if name in marks else 0)
     if not per_prompt:
@@ -245,34 +224,6 @@ def phases(episodes: list[Episode], run: EngineRun) -> tuple[list[Phase], dict[s
         for i in range(min(map(len, per_prompt)))
     ]
     return merged, {name: statistics.median(values) for name, values in counts.items()}
-
-
-def _episode_phases(episode: Episode, g0: float, g1: float) -> list[Phase]:
-    """One request's phases; ``g0``, ``g1``: its generate call's start and end (the first token)."""
-    marks = episode.milestones
-    finished = marks.get(milestones.FINISHED)
-    cpu_end = finished.first_cpu_s if finished is not None else None
-
-    def at(point: tuple[str, str] | None, *, end: bool) -> tuple[float, float | None]:
-        if point is None:
-            return (g1, cpu_end) if end else (g0, None)
-        m = marks.get(point[0])
-        if m is None:
-            return (g0, None)
-        return (m.first_s, m.first_cpu_s) if point[1] == "first" else (m.last_s, m.last_cpu_s)
-
-    out: list[Phase] = []
-    for name, start, end in _PHASES:
-        t0, c0 = at(start, end=False)
-        t1, c1 = at(end, end=True)
-        cpu = (c1 - c0) * 1e3 if c0 is not None and c1 is not None else 0.0
-        out.append(Phase(name, (t0 - g0) * 1e3, (t1 - g0) * 1e3, cpu))
-    if cpu_end is not None:
-        cpu_start = marks[milestones.LOOKUP].first_cpu_s
-        out.append(
-            Phase("whole request (from the first lookup)", 0.0, (g1 - g0) * 1e3, (cpu_end - cpu_start) * 1e3)
-        )
-    return out
 
 
 def bench_scheduler(

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -40,6 +41,7 @@ from kvstore.connector.harness.metrics import metric_delta
 from kvstore.connector.harness.multiturn import TurnRecord, Workload, replay
 from kvstore.connector.harness.tiny_model import TinyModelSpec, build_tiny_model, sample_text
 from kvstore.connector.harness.vllm_server import VLLMServer, vllm_server
+from kvstore.engine.timeline import Phase, episode_phases, read_timelines
 from kvstore.runtime import EMBEDDED_BUCKET, open_node, open_object_store
 
 __all__ = ["DemoOptions", "DemoReport", "demo_sizing", "run_demo"]
@@ -89,6 +91,8 @@ class DemoReport:
     new_node_recompute_s: float = 0.0
     new_node_hit_tokens: int = 0
     new_node_tiers: dict[str, TierCounts] = field(default_factory=dict)
+    # Where the new node's request went (from the tier's timeline of it): phase by phase.
+    new_node_phases: list[Phase] = field(default_factory=list)
 
     @property
     def ttft_by_turn(self) -> dict[int, float]:
@@ -209,10 +213,13 @@ def run_demo(
         _wait_for_uploads(node)
         new_cache = demo_dir / "nvme-new-node"
         shutil.rmtree(new_cache, ignore_errors=True)
+        timeline = demo_dir / "new-node-timeline.jsonl"
+        timeline.unlink(missing_ok=True)
+        new_tier = {**tier, "cache_dir": str(new_cache), "timeline_path": str(timeline)}
         second = stack.enter_context(
             vllm_server(
                 model,
-                kv_transfer_config=sizing.tiering_config({**tier, "cache_dir": str(new_cache)}),
+                kv_transfer_config=sizing.tiering_config(new_tier),
                 env=credentials,
                 extra_args=sizing.server_args(),
                 log_path=demo_dir / "vllm-new-node.log",
@@ -224,7 +231,10 @@ def run_demo(
         # the two TTFTs below compare the bucket with recomputation only.
         _ttft(second, sample_text(50, seed=secrets.randbelow(1 << 30)))
         fresh = second.metrics()
+        before = len(read_timelines(timeline))
+        sent = time.monotonic()
         report.new_node_hit_s, report.new_node_hit_tokens = _ttft(second, returning)
+        report.new_node_phases = _phases(timeline, before, sent, sent + report.new_node_hit_s)
         report.new_node_recompute_s, _ = _ttft(second, returning, cache_salt=secrets.token_hex(8))
         time.sleep(1.5)
         report.new_node_tiers = _tier_counts(fresh, second.metrics())
@@ -284,6 +294,18 @@ def _wait_for_uploads(node: Any, timeout_s: float = 120.0) -> None:
     """Until the node's upload journal is empty (the node agent, hosted by the admin service here, uploads
     what every engine on the node stored)."""
     node.flush(timeout_s)
+
+
+def _phases(path: Path, before: int, sent: float, answered: float) -> list[Phase]:
+    """The phases of the request sent at ``sent``: the tier writes a request's timeline when the request
+    finishes, one episode after the ``before`` already there."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        episodes = read_timelines(path)
+        if len(episodes) > before:
+            return episode_phases(episodes[before], sent, answered)
+        time.sleep(0.1)
+    return []
 
 
 def _tier_counts(before: dict[str, float], after: dict[str, float]) -> dict[str, TierCounts]:

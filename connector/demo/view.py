@@ -149,6 +149,22 @@ def _print_report(console: Console, report: object) -> None:
             f"{report.new_node_recompute_s:.3f} s[/bold] recomputed on that engine "
             f"({report.new_node_recompute_s / report.new_node_hit_s:.1f}x faster)."
         )
+    if report.new_node_phases:
+        phases = _table(
+            "Where the new node's request went (the tier's timeline; CPU of the vLLM server)",
+            ("phase", "left"),
+            ("from ms", "right"),
+            ("took ms", "right"),
+            ("CPU ms", "right"),
+        )
+        for phase in report.new_node_phases:
+            phases.add_row(
+                phase.name,
+                f"{phase.start_ms:.1f}",
+                f"{phase.end_ms - phase.start_ms:.1f}",
+                f"{phase.cpu_ms:.1f}",
+            )
+        console.print(phases)
     console.print("\nLook around:")
     links = [
         ("vLLM metrics (vllm:kvstore_*)", f"{report.vllm_url}/metrics"),

@@ -7,7 +7,8 @@ at once, engine-side marks go to the newest). Each milestone keeps its first and
 happened, and the process's CPU time at its first and last occurrence, so a report can say, per phase, how
 long it took and how much CPU the whole process (vLLM's engine, our threads) spent in it.
 
-Closed episodes are appended as JSON lines to the file; `read_timelines` reads them back.
+Closed episodes are appended as JSON lines to the file; `read_timelines` reads them back, and
+`episode_phases` turns one into the stretches of a request (from the call that sent it to its first token).
 """
 
 from __future__ import annotations
@@ -132,3 +133,59 @@ def read_timelines(path: str | Path) -> list[Episode]:
         raw = json.loads(line)
         episodes.append(Episode(raw["request"], {k: Milestone(**v) for k, v in raw["milestones"].items()}))
     return episodes
+
+
+@dataclass
+class Phase:
+    """One stretch of a request: from a milestone to the next."""
+
+    name: str
+    start_ms: float  # from the moment the request was sent
+    end_ms: float
+    cpu_ms: float  # CPU time of the whole process serving it (vLLM and our threads) in the stretch
+
+
+# The stretches of a new node's request, each from a milestone (its first or last time) to the next.
+_PHASES: tuple[tuple[str, tuple[str, str] | None, tuple[str, str] | None], ...] = (
+    ("scheduler's first lookups", None, (LOOKUP, "first")),
+    ("index read", (LOOKUP, "first"), (INDEX_READ, "first")),
+    ("first GET returned", (INDEX_READ, "first"), (GET_RETURNED, "first")),
+    ("all GETs returned", (GET_RETURNED, "first"), (GET_RETURNED, "last")),
+    ("last promotion reported", (GET_RETURNED, "last"), (LOAD_REPORTED, "last")),
+    ("first token", (LOAD_REPORTED, "last"), None),
+)
+
+
+def episode_phases(episode: Episode, sent: float, answered: float) -> list[Phase]:
+    """The phases of one request whose episode this is; ``sent`` and ``answered`` are when the request was
+    sent and its first token came back, on the same clock (time.monotonic, system-wide). A milestone the
+    episode lacks (no GET: all on NVMe) makes its phases start where the request did."""
+    marks = episode.milestones
+    finished = marks.get(FINISHED)
+    cpu_end = finished.first_cpu_s if finished is not None else None
+
+    def at(point: tuple[str, str] | None, *, end: bool) -> tuple[float, float | None]:
+        if point is None:
+            return (answered, cpu_end) if end else (sent, None)
+        m = marks.get(point[0])
+        if m is None:
+            return (sent, None)
+        return (m.first_s, m.first_cpu_s) if point[1] == "first" else (m.last_s, m.last_cpu_s)
+
+    out: list[Phase] = []
+    for name, start, end in _PHASES:
+        t0, c0 = at(start, end=False)
+        t1, c1 = at(end, end=True)
+        cpu = (c1 - c0) * 1e3 if c0 is not None and c1 is not None else 0.0
+        out.append(Phase(name, (t0 - sent) * 1e3, (t1 - sent) * 1e3, cpu))
+    if cpu_end is not None and LOOKUP in marks:
+        cpu_start = marks[LOOKUP].first_cpu_s
+        out.append(
+            Phase(
+                "whole request (from the first lookup)",
+                0.0,
+                (answered - sent) * 1e3,
+                (cpu_end - cpu_start) * 1e3,
+            )
+        )
+    return out

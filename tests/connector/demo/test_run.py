@@ -75,6 +75,10 @@ def test_demo_runs_everything_and_leaves_nothing(data_dir: Path) -> None:
     # A new node with an empty NVMe cache got the returning user's chunks from the bucket.
     assert report.new_node_tiers["object"].hits > 0 and report.new_node_hit_tokens > 0
     assert report.new_node_recompute_s > 0 and report.new_node_hit_s > 0
+    # The new node's request, phase by phase from the tier's timeline: it went to the bucket.
+    phases = {phase.name: phase for phase in report.new_node_phases}
+    got = phases["all GETs returned"]
+    assert 0 < got.start_ms <= got.end_ms <= report.new_node_hit_s * 1000
 
     assert _processes_under(data_dir) == []
     assert not new_shm(shm_before)
