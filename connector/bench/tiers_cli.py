@@ -101,8 +101,9 @@ def _print(report: TiersReport, codecs: list[CodecResult], rounds: int) -> None:
     if report.object_path:
         objects = table(
             "object path of a new node: first lookup to last byte loaded (GB/s)",
-            ("chunk", "n", "ours, end to end", "raw parallel GET", "ours/raw", "CPU us/chunk", "raw"),
-        )
+            ("chunk", "n", "ours, end to end", "raw parallel GET", "ours/raw", "CPU us/chunk", "raw",
+             "S3 GET/chunk", "raw"),
+        )  # fmt: skip
         for p in report.object_path:
             objects.add_row(
                 f"{p.chunk_bytes // 1024} KiB",
@@ -112,6 +113,8 @@ def _print(report: TiersReport, codecs: list[CodecResult], rounds: int) -> None:
                 f"{p.vs_raw:.2f}x",
                 f"{p.cpu_us:.0f}",
                 f"{p.raw_cpu_us:.0f}",
+                "-" if p.gets_per_chunk is None else f"{p.gets_per_chunk:.2f}",
+                "-" if p.raw_gets_per_chunk is None else f"{p.raw_gets_per_chunk:.2f}",
             )
         console.print(objects)
     codec_table = table(

@@ -43,6 +43,9 @@ class ObjectPathResult:
     vs_raw: float
     cpu_us: float = 0.0  # CPU microseconds per chunk of the calling process (median over rounds)
     raw_cpu_us: float = 0.0  # ... of the raw GET loop
+    # GETs (and HEADs) the S3 server counted per chunk loaded: ours (probes and loads) and the raw loop's.
+    gets_per_chunk: float | None = None
+    raw_gets_per_chunk: float | None = None
 
 
 def _scheduler_loads(tier: SecondaryTierManager, keys: Sequence[OffloadKey], first_row: int) -> Timed:
@@ -99,13 +102,22 @@ def bench_object_path(
     raw_get = _raw_gets(target, _seed(primary, keys, target, workdir), workers)
     ours: list[Timed] = []
     baseline: list[Timed] = []
+    asked: dict[str, float] = {}
     try:
         for _ in range(rounds):
+            before = target.requests()
             baseline.append(raw_get())
+            after = target.requests()
+            if before is not None and after is not None:
+                asked["raw"] = (after - before).get / chunks
             root = Path(tempfile.mkdtemp(prefix="fresh-node-", dir=workdir))
             tier = our_tier(primary, root, target.store_url, s3_endpoint=target.endpoint or "")
             try:
+                before = target.requests()
                 ours.append(_scheduler_loads(tier, keys, chunks))
+                after = target.requests()
+                if before is not None and after is not None:
+                    asked["ours"] = (after - before).get / chunks
                 bad = [i for i in range(chunks) if not primary.same(i, chunks + i)]
                 if bad:
                     raise RuntimeError(f"{len(bad)} chunks loaded wrong bytes from the object store")
@@ -125,6 +137,8 @@ def bench_object_path(
         vs_raw=best_raw / best_ours,
         cpu_us=statistics.median(t.cpu_s for t in ours) / chunks * 1e6,
         raw_cpu_us=statistics.median(t.cpu_s for t in baseline) / chunks * 1e6,
+        gets_per_chunk=asked.get("ours"),
+        raw_gets_per_chunk=asked.get("raw"),
     )
 
 
