@@ -231,10 +231,10 @@ def run_demo(
         # the two TTFTs below compare the bucket with recomputation only.
         _ttft(second, sample_text(50, seed=secrets.randbelow(1 << 30)))
         fresh = second.metrics()
-        before = len(read_timelines(timeline))
+        episodes_before = len(read_timelines(timeline))
         sent = time.monotonic()
         report.new_node_hit_s, report.new_node_hit_tokens = _ttft(second, returning)
-        report.new_node_phases = _phases(timeline, before, sent, sent + report.new_node_hit_s)
+        report.new_node_phases = _phases(timeline, episodes_before, sent, sent + report.new_node_hit_s)
         report.new_node_recompute_s, _ = _ttft(second, returning, cache_salt=secrets.token_hex(8))
         time.sleep(1.5)
         report.new_node_tiers = _tier_counts(fresh, second.metrics())
