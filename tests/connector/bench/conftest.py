@@ -38,4 +38,5 @@ def store_target(s3_server: Any, s3_store: Any) -> StoreTarget:
         access_key=s3_server.access_key,
         secret_key=s3_server.secret_key,
         metrics_url=s3_server.seaweed.metrics_url if s3_server.seaweed is not None else None,
+        server_pid=s3_server.seaweed.pid if s3_server.seaweed is not None else None,
     )
