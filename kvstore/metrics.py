@@ -139,12 +139,12 @@ class EngineMetrics:
         self.object_store_up.set(1)
         self.agent_up = Gauge(
             "kvstore:agent_up",
-            "1 while the node agent runs (uploads, admission, eviction), 0 when none does",
+            "1 while the node agent runs (uploads, eviction, access records), 0 when none does or it hangs",
             registry=registry,
         )
         self.agent_hints_dropped = Counter(
             "kvstore:agent_hints_dropped",
-            "Hints (chunks used, object hits to admit) an engine could not hand to the node agent",
+            "Hints (chunks stored, chunks used, counters) an engine could not hand to the node agent",
             registry=registry,
         )
         self.agent_hints_rejected = Counter(

@@ -81,7 +81,7 @@ class AgentWatch:
             )
             return
         log.warning(
-            "no node agent runs for %s: uploads wait in the journal, object hits are not admitted to NVMe%s",
+            "no node agent runs for %s: uploads wait in the journal%s",
             self._directory,
             action,
         )
