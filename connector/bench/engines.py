@@ -49,6 +49,7 @@ DESCRIPTIONS = {
     "obj": "vLLM obj tier, object store (new engine)",
 }
 _TOKENS_PER_CHUNK = 128  # vLLM's CPU backend: one block per chunk
+_MAX_MODEL_LEN = 16384  # the tiny model's positions: room for the seed's 12K-token prompt (--words 11000)
 
 
 @dataclass
@@ -98,12 +99,25 @@ class VLLMReport:
 
 def _fill(model: Path, prompts: list[str], config: dict[str, Any], env: dict[str, str]) -> None:
     # A few decode steps after each prefill: offloads are submitted on the steps that follow.
-    run_engine(model, prompts, kv_transfer_config=config, env=env, max_tokens=8, settle_s=2.0)
+    run_engine(
+        model,
+        prompts,
+        kv_transfer_config=config,
+        env=env,
+        max_tokens=8,
+        settle_s=2.0,
+        max_model_len=_MAX_MODEL_LEN,
+    )
 
 
 def _ttft(model: Path, prompts: list[str], config: dict[str, Any] | None, env: dict[str, str]) -> EngineRun:
     return run_engine(
-        model, [sample_text(50, seed=999), *prompts], kv_transfer_config=config, env=env, max_tokens=1
+        model,
+        [sample_text(50, seed=999), *prompts],
+        kv_transfer_config=config,
+        env=env,
+        max_tokens=1,
+        max_model_len=_MAX_MODEL_LEN,
     )
 
 
@@ -137,7 +151,8 @@ def bench_ttft(
         }
         if target.endpoint:
             ours["s3_endpoint"] = target.endpoint
-        tokens = run_engine(model, [texts[0]], max_tokens=1).results[0].prompt_len
+        counted = run_engine(model, [texts[0]], max_tokens=1, max_model_len=_MAX_MODEL_LEN)
+        tokens = counted.results[0].prompt_len
         report = VLLMReport(prompt_tokens=tokens, prompts=prompts, methods=list(methods))
         rows: dict[str, TTFTRow] = {}
         for method in methods:
