@@ -17,9 +17,10 @@ off-thread (`tolerates_off_thread_polling`): it serves no counterpart between st
 Loads and stores run on the tier's job threads; each job is reported exactly once through
 `get_finished_jobs()`, with its bytes and seconds. Nothing raises into vLLM: a failing store or disk becomes a
 miss, a failed job and a metric; so does a chunk id outside the primary region. A chunk that fails to load is
-marked missing by the engine, so the scheduler does not ask for it again and again. Uploads, admission of
-object hits to NVMe, eviction, access records and pin sync are the node agent's (`kvstore.agent`), in a
-process of its own at idle priority, which the tier starts when the node has none (option `agent`).
+marked missing by the engine, so the scheduler does not ask for it again and again. The engine admits the
+object hits it fetched and verified to NVMe itself (never a second GET); uploads, eviction, access records
+and pin sync are the node agent's (`kvstore.agent`), in a process of its own at idle priority, which the tier
+starts when the node has none (option `agent`).
 
 KV events report one residency per chunk, "this instance's tier holds it" (its NVMe copy or the bucket's),
 with the tier's `locality` and no ownership, which is what routers index (see `tier_events`). After the
@@ -30,13 +31,12 @@ announces the chunks it served once their request has finished.
 from __future__ import annotations
 
 import gc
-import itertools
 import logging
 import sys
 import threading
 import time
 from collections.abc import Collection, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from prometheus_client import CollectorRegistry
 from typing_extensions import override
@@ -59,6 +59,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvstore.config import DataPathSettings, RoutingSettings, fields_of, load_settings
 from kvstore.connector.engine_keys import engine_scheme, publish_namespace
 from kvstore.connector.jobs import JobThreads
+from kvstore.connector.probe_order import UnknownChunk, prefix_chains
 from kvstore.connector.tier_events import announce_served, parse_locality, to_vllm_events
 from kvstore.connector.tier_metrics import BackgroundStats, TierStats, metric_definitions
 from kvstore.engine import Presence, TieredStore
@@ -100,36 +101,6 @@ _CHUNK_KEY_MEMO = 262_144
 # The lookup's answers, read from module globals rather than through their enums on every call.
 _PENDING, _MISS = Presence.PENDING, Presence.MISS
 _HIT, _RETRY, _LOOKUP_MISS = LookupResult.HIT, LookupResult.RETRY, LookupResult.MISS
-
-
-class UnknownChunk(NamedTuple):
-    """A chunk the scheduler looked up that the tier must probe."""
-
-    req_id: str
-    group: bytes  # the KV-cache group, the last bytes of vLLM's offload key
-    position: int | None  # end token of the chunk in its request, as vLLM records it
-    key: str
-
-
-def prefix_chains(lookups: Sequence[UnknownChunk]) -> list[list[str]]:
-    """The probe order for one step's unknown chunks (see `TieredStore.probe_prefixes`).
-
-    vLLM scans a full-attention group from the first chunk on and can use only the chunks before the first
-    miss: such a run (positions ascending) becomes one chain. A sliding-window group is scanned from the end
-    and can use a suffix after a miss, so a run in any other order is probed key by key, every key counting.
-    """
-    runs: dict[tuple[str, bytes], list[UnknownChunk]] = {}
-    for chunk in lookups:
-        runs.setdefault((chunk.req_id, chunk.group), []).append(chunk)
-    chains: list[list[str]] = []
-    for run in runs.values():
-        positions = [c.position for c in run]
-        ascending = all(a is not None and b is not None and a < b for a, b in itertools.pairwise(positions))
-        if ascending:
-            chains.append([c.key for c in run])
-        else:
-            chains.extend([c.key] for c in run)
-    return chains
 
 
 class KVStoreTier(SecondaryTierManager):

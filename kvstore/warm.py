@@ -86,8 +86,8 @@ class WarmReport:
 def prefetch(node: Node, keys: Sequence[str], *, cancel: threading.Event | None = None) -> int:
     """Bring `keys` from the object store into the node's NVMe cache now; how many are cached after.
 
-    Chunks are verified and admitted exactly as the node agent admits object hits. With `cancel` set, it
-    stops before the next batch."""
+    Chunks are verified and admitted exactly as an engine admits the object hits it served. With `cancel`
+    set, it stops before the next batch."""
     if not keys:
         return 0
     engine = node.engine

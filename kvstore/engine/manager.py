@@ -342,7 +342,7 @@ class TieredStore:
         self._counters.publish()
         self.housekeeping()
         if self._link.pending and self._agent is not None and (self._agent.up or self._agent.starting):
-            # Its last hints (object hits to admit, chunks used) go to an agent that is up or starting.
+            # Its last hints (chunks stored, chunks used) go to an agent that is up or starting.
             self._link.send_within(_LAST_HINTS_S)
         self._link.close()
         self._outcomes.index_writes.close()

@@ -2,7 +2,7 @@
 
 The probe, the loads and the stores each do their own I/O and report what they found here; `Outcomes` alone
 turns that into the answers the scheduler's lookups read, the metrics, the KV events, and the hints the node
-agent acts on (object hits to admit, chunks used). Nothing else writes the answer cache, so one file says
+agent acts on (chunks stored, chunks used). Nothing else writes the answer cache, so one file says
 when a chunk is believed to be on this node, in the bucket, or nowhere:
 
 ================  ==================================================================================

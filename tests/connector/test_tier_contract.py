@@ -27,7 +27,7 @@ from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 from kvstore.agent.uploads import wait_uploaded
 from kvstore.chunk import HEADER_BLOCK
 from kvstore.connector.harness.standalone import StandaloneTier, standalone_tier
-from kvstore.connector.tier import KVStoreTier, UnknownChunk, prefix_chains
+from kvstore.connector.tier import KVStoreTier
 from kvstore.connector.tier_metrics import (
     CHECKSUM_FAILURES,
     HITS,
@@ -386,22 +386,6 @@ def test_every_vllm_kvstore_metric_reports_what_happened(
         assert seen[CHECKSUM_FAILURES] == {nvme: 1}
     finally:
         built.close()
-
-
-def test_probe_chains_follow_vllm_scans() -> None:
-    g0, g1 = (0).to_bytes(4, "big"), (1).to_bytes(4, "big")
-    lookups = [
-        UnknownChunk("a", g0, 16, "a0"),  # full attention: scanned from the start
-        UnknownChunk("a", g0, 32, "a1"),
-        UnknownChunk("a", g1, 32, "w1"),  # sliding window, same request: scanned from the end
-        UnknownChunk("a", g1, 16, "w0"),
-        UnknownChunk("b", g0, 16, "b0"),
-        UnknownChunk("b", g0, 48, "b2"),
-        UnknownChunk("c", g0, None, "c0"),  # no position recorded: nothing is assumed
-        UnknownChunk("c", g0, None, "c1"),
-    ]
-    # A prefix run is one chain (cut at its first miss); any other run is asked key by key.
-    assert prefix_chains(lookups) == [["a0", "a1"], ["w1"], ["w0"], ["b0", "b2"], ["c0"], ["c1"]]
 
 
 # -- what the README promises about the tier's options
