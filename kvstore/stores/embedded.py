@@ -250,6 +250,9 @@ class SeaweedServer:
             self._ports = _Ports(dict(zip(_PORT_NAMES, _free_ports(len(_PORT_NAMES)), strict=True)))
         self._log = (self.data_dir / "weed.log").open("ab")
         self._started_at = time.time()
+        # Normal CPU priority, unlike the node agent: engines wait on its GETs, and a busy engine starves a
+        # server at SCHED_IDLE (bench multiturn, 16 conversations, median of 3 runs each: ours 0.92x vLLM's
+        # fs tier with the server at normal priority, 0.74x at SCHED_IDLE; see the README's benchmarks).
         self._process = subprocess.Popen(
             self._command(self._ports),
             stdin=subprocess.DEVNULL,
