@@ -65,7 +65,9 @@ def test_sweep_point_beyond_the_cpu_tier(
     # a HEAD and a GET. Probes of each turn's new chunks (absent until stored) find nothing.
     assert ours.request_economy()["get_per_chunk_loaded"] <= 1.25
     assert obj.request_economy()["get_per_chunk_loaded"] >= 1.5
-    assert ours.s3_requests["put"] <= 1.05 * ours.chunks_stored
+    # One PUT per chunk stored, beside the agent's own two objects of a short run: its batch of access
+    # records (flushed every minute and at exit) and the marker it reads the store's clock from.
+    assert ours.s3_requests["put"] <= 1.05 * ours.chunks_stored + 2
     # Each tier's chunks went to the bucket, under the prefix it was given.
     assert any(info.key.startswith("multiturn-") for info in s3_store.list())
     assert any(info.key.startswith("multiturn-obj-") for info in s3_store.list())
