@@ -16,7 +16,7 @@ import lmdb
 
 from kvstore.cache import journal, lru, unlinks
 from kvstore.cache.claims import Liveness
-from kvstore.cache.lmdb_env import Shared
+from kvstore.cache.lmdb_env import Shared, get_u64
 from kvstore.cache.records import Admission, Entry, Eviction
 
 Txn: TypeAlias = "lmdb.Transaction[bytes]"  # generic for type checkers only
@@ -98,12 +98,7 @@ def _drop(
 
 def counters(txn: Txn, s: Shared) -> tuple[int, int]:
     """(used bytes, entries) as recorded."""
-    used = txn.get(_USED_KEY, db=s.meta)
-    count = txn.get(_COUNT_KEY, db=s.meta)
-    return (
-        0 if used is None else _U64.unpack(used)[0],
-        0 if count is None else _U64.unpack(count)[0],
-    )
+    return get_u64(txn, _USED_KEY, s.meta), get_u64(txn, _COUNT_KEY, s.meta)
 
 
 def set_counters(txn: Txn, s: Shared, used: int, count: int) -> None:

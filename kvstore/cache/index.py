@@ -39,7 +39,7 @@ import lmdb
 
 from kvstore.cache import changelog, entries, journal, lru, unlinks
 from kvstore.cache.claims import Holder, Liveness, clock_ns, this_process
-from kvstore.cache.lmdb_env import DEFAULT_MAP_SIZE, INDEX_DIR, Shared, acquire, release, translate
+from kvstore.cache.lmdb_env import DEFAULT_MAP_SIZE, INDEX_DIR, Shared, acquire, get_u64, release, translate
 from kvstore.cache.records import Admission, Backlog, Change, ChangeKind, Entry, Eviction, encode_key
 from kvstore.errors import CacheClosed, CacheError
 
@@ -288,8 +288,7 @@ class CacheIndex:
         with s.env.begin(write=True) as txn:
             for name, delta in deltas.items():
                 k = name.encode()
-                raw = txn.get(k, db=s.counters)
-                total = (0 if raw is None else _U64.unpack(raw)[0]) + delta
+                total = get_u64(txn, k, s.counters) + delta
                 txn.put(k, _U64.pack(max(0, total)), db=s.counters)
 
     @translate

@@ -29,7 +29,7 @@ from typing import TypeAlias
 import lmdb
 
 from kvstore.cache.claims import Claim, Holder, Liveness, clock_ns
-from kvstore.cache.lmdb_env import Shared
+from kvstore.cache.lmdb_env import Shared, get_u64
 from kvstore.cache.records import Backlog, Entry
 
 Txn: TypeAlias = "lmdb.Transaction[bytes]"  # generic for type checkers only
@@ -170,8 +170,7 @@ def _settle(txn: Txn, s: Shared, k: bytes, lost: Lost) -> bool:
 
 
 def _count_lost(txn: Txn, s: Shared, lost: Lost, reason: str) -> None:
-    raw = txn.get(LOST_COUNTER, db=s.counters)
-    txn.put(LOST_COUNTER, _U64.pack((0 if raw is None else _U64.unpack(raw)[0]) + 1), db=s.counters)
+    txn.put(LOST_COUNTER, _U64.pack(get_u64(txn, LOST_COUNTER, s.counters) + 1), db=s.counters)
     lost[reason] += 1
 
 
@@ -218,12 +217,7 @@ def drift(txn: Txn, s: Shared) -> int:
 
 def counters(txn: Txn, s: Shared) -> tuple[int, int]:
     """(bytes, chunks) waiting for upload."""
-    nbytes = txn.get(_UPLOAD_BYTES_KEY, db=s.meta)
-    count = txn.get(_UPLOAD_COUNT_KEY, db=s.meta)
-    return (
-        0 if nbytes is None else _U64.unpack(nbytes)[0],
-        0 if count is None else _U64.unpack(count)[0],
-    )
+    return get_u64(txn, _UPLOAD_BYTES_KEY, s.meta), get_u64(txn, _UPLOAD_COUNT_KEY, s.meta)
 
 
 def add_counters(txn: Txn, s: Shared, nbytes: int, count: int) -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "Shared",
     "acquire",
     "check_data_file",
+    "get_u64",
     "is_open_in_this_process",
     "read_schema_version",
     "release",
@@ -66,6 +67,12 @@ _NO_SPACE_MESSAGES = {os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT)}
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+
+
+def get_u64(txn: lmdb.Transaction, key: bytes, db: lmdb._Database) -> int:
+    """A little-endian 64-bit count stored under ``key`` (every counter of the index is one), 0 if absent."""
+    raw = txn.get(key, db=db)
+    return 0 if raw is None else int(_U64.unpack(raw)[0])
 
 
 def translate(fn: Callable[_P, _R]) -> Callable[_P, _R]:

@@ -18,7 +18,7 @@ from typing import TypeAlias
 
 import lmdb
 
-from kvstore.cache.lmdb_env import Shared
+from kvstore.cache.lmdb_env import Shared, get_u64
 from kvstore.cache.records import Entry
 
 Txn: TypeAlias = "lmdb.Transaction[bytes]"  # generic for type checkers only
@@ -97,8 +97,7 @@ def change_pins(txn: Txn, s: Shared, keys: Iterable[bytes], delta: int) -> None:
     """Add ``delta`` (+1 or -1) to each key's pin count; counts never go below zero. A key whose count
     leaves zero loses its LRU record (eviction cannot see it); one that returns to zero gets it back."""
     for k in keys:
-        raw = txn.get(k, db=s.pins)
-        old = 0 if raw is None else _U64.unpack(raw)[0]
+        old = get_u64(txn, k, s.pins)
         new = max(0, old + delta)
         if new == old:
             continue
@@ -119,8 +118,7 @@ def change_pins(txn: Txn, s: Shared, keys: Iterable[bytes], delta: int) -> None:
 
 
 def pin_count(txn: Txn, s: Shared, k: bytes) -> int:
-    raw = txn.get(k, db=s.pins)
-    return 0 if raw is None else int(_U64.unpack(raw)[0])
+    return get_u64(txn, k, s.pins)
 
 
 def rebuild(txn: Txn, s: Shared) -> None:
