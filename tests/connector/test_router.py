@@ -108,6 +108,25 @@ def poll(read: Callable[[], Credit], until: Callable[[Credit], bool]) -> Credit:
         time.sleep(0.1)
 
 
+def uploads_settle(cache_dir: Path) -> None:
+    """Wait until the node's agent has uploaded what the last prompt stored (no backlog, no new change for a
+    moment), within `_WAIT_S`; never raises. The story means to check what the tier says of chunks that
+    reached the bucket: on a loaded machine a slow agent can leave the next prompt evicting a chunk whose
+    upload never happened, which the tier rightly announces as lost (`tier_events.ends_residency`)."""
+    deadline = time.monotonic() + _WAIT_S
+    last_seq = -1
+    while time.monotonic() < deadline:
+        try:
+            with NVMeCache(cache_dir, NVME_BYTES) as cache:
+                seq, waiting = cache.change_seq(), cache.backlog().chunks
+        except Exception:  # a callback between prompts must not raise
+            return
+        if waiting == 0 and seq == last_seq:
+            return
+        last_seq = seq
+        time.sleep(0.25)
+
+
 def event_hash(chunk_key: str) -> int | bytes:
     """The block hash the engine's events carry for a chunk (one block per chunk)."""
     return block_hash_for_event(split_offload_key(chunk_key_to_offload_key(chunk_key))[0])
@@ -159,6 +178,13 @@ def story(tiny_model: Path, s3_server: Any, tmp_path_factory: pytest.TempPathFac
         config = cpu_tiering_config(tier, cpu_bytes=8 * 2**20)
         config["kv_connector_extra_config"]["self_describing_kv_events"] = True
 
+        def settled_then(between: Callable[[int], None]) -> Callable[[int], None]:
+            def after_uploads(i: int) -> None:
+                uploads_settle(cache_dir)
+                between(i)
+
+            return after_uploads
+
         def engine(prompts: list[list[int]], between: Callable[[int], None]) -> EngineRun:
             run = run_engine(
                 tiny_model,
@@ -178,7 +204,7 @@ def story(tiny_model: Path, s3_server: Any, tmp_path_factory: pytest.TempPathFac
                 max_model_len=4096,
                 kv_cache_bytes=10 * 2**20,  # 40 blocks
                 settle_s=2.0,
-                between=(guarded := Guarded(between)),
+                between=(guarded := Guarded(settled_then(between))),
             )
             guarded.check()
             return run
