@@ -47,6 +47,7 @@ if (_reason := unavailable_reason()) is not None:
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
 
+from kvstore.agent.uploads import wait_uploaded  # noqa: E402
 from kvstore.cache import NVMeCache  # noqa: E402
 from kvstore.connector.configs import cpu_tiering_config  # noqa: E402
 from kvstore.connector.harness.engine_runner import EngineRun, run_engine  # noqa: E402
@@ -109,22 +110,21 @@ def poll(read: Callable[[], Credit], until: Callable[[Credit], bool]) -> Credit:
 
 
 def uploads_settle(cache_dir: Path) -> None:
-    """Wait until the node's agent has uploaded what the last prompt stored (no backlog, no new change for a
-    moment), within `_WAIT_S`; never raises. The story means to check what the tier says of chunks that
-    reached the bucket: on a loaded machine a slow agent can leave the next prompt evicting a chunk whose
-    upload never happened, which the tier rightly announces as lost (`tier_events.ends_residency`)."""
+    """Wait until the node's agent has uploaded what the last prompt stored (an empty upload journal, and no
+    new change to the cache meanwhile), within `_WAIT_S`; never raises. The story means to check what the
+    tier says of chunks that reached the bucket: on a loaded machine a slow agent can leave the next prompt
+    evicting a chunk whose upload never happened, which the tier rightly announces as lost
+    (`tier_events.ends_residency`)."""
     deadline = time.monotonic() + _WAIT_S
-    last_seq = -1
-    while time.monotonic() < deadline:
-        try:
-            with NVMeCache(cache_dir, NVME_BYTES) as cache:
-                seq, waiting = cache.change_seq(), cache.backlog().chunks
-        except Exception:  # a callback between prompts must not raise
-            return
-        if waiting == 0 and seq == last_seq:
-            return
-        last_seq = seq
-        time.sleep(0.25)
+    try:
+        with NVMeCache(cache_dir, NVME_BYTES) as cache:
+            last = -1
+            while time.monotonic() < deadline and (seq := cache.change_seq()) != last:
+                last = seq
+                wait_uploaded(cache, deadline - time.monotonic())
+                time.sleep(0.25)  # stores the engine has not committed yet
+    except Exception:  # a callback between prompts must not raise
+        return
 
 
 def event_hash(chunk_key: str) -> int | bytes:
@@ -178,14 +178,11 @@ def story(tiny_model: Path, s3_server: Any, tmp_path_factory: pytest.TempPathFac
         config = cpu_tiering_config(tier, cpu_bytes=8 * 2**20)
         config["kv_connector_extra_config"]["self_describing_kv_events"] = True
 
-        def settled_then(between: Callable[[int], None]) -> Callable[[int], None]:
+        def engine(prompts: list[list[int]], between: Callable[[int], None]) -> EngineRun:
             def after_uploads(i: int) -> None:
                 uploads_settle(cache_dir)
                 between(i)
 
-            return after_uploads
-
-        def engine(prompts: list[list[int]], between: Callable[[int], None]) -> EngineRun:
             run = run_engine(
                 tiny_model,
                 prompts,
@@ -204,7 +201,7 @@ def story(tiny_model: Path, s3_server: Any, tmp_path_factory: pytest.TempPathFac
                 max_model_len=4096,
                 kv_cache_bytes=10 * 2**20,  # 40 blocks
                 settle_s=2.0,
-                between=(guarded := Guarded(settled_then(between))),
+                between=(guarded := Guarded(after_uploads)),
             )
             guarded.check()
             return run
