@@ -4,7 +4,7 @@ From the engine's housekeeping thread, every ``every_s``: whether an agent runs 
 engine's ``kvstore:agent_up``), said once in the log when that changes. An engine that may start one
 (``start``: the vLLM tier's ``agent: auto``) replaces a dead agent, and a hung one too: it kills the hung
 process (the one the kernel says holds the lock, checked again just before) and starts a new agent, at most
-every ``restart_every_s``. Nothing here waits on the agent.
+every ``restart_every_s`` (`RESTART_EVERY_S`). Nothing here waits on the agent.
 """
 
 from __future__ import annotations
@@ -18,9 +18,12 @@ from pathlib import Path
 
 from kvstore.node.agent_files import agent_status, signal_agent
 
-__all__ = ["AgentWatch", "kill_if_hung"]
+__all__ = ["RESTART_EVERY_S", "AgentWatch", "kill_if_hung"]
 
 log = logging.getLogger(__name__)
+
+# An agent that crashes at start is not restarted more often; a new one has this long to take its lock.
+RESTART_EVERY_S = 30.0
 
 
 class AgentWatch:
@@ -30,12 +33,12 @@ class AgentWatch:
         *,
         start: Callable[[], object] | None = None,
         every_s: float = 5.0,
-        restart_every_s: float = 30.0,
+        restart_every_s: float | None = None,
     ) -> None:
         self._directory = Path(cache_dir)
         self._start = start
         self._every = every_s
-        self._restart_every = restart_every_s
+        self._restart_every = RESTART_EVERY_S if restart_every_s is None else restart_every_s
         self._checked_at = float("-inf")
         self._started_at = float("-inf")
         self.up: bool | None = None  # unknown until the first check

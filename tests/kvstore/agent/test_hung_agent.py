@@ -170,11 +170,12 @@ def _next(lines: queue.SimpleQueue[str], timeout: float = 0.2) -> str | None:
 
 
 def test_an_engine_reports_a_hung_agent_down_and_replaces_it(
-    settings: Settings, open_engine_node: Callable[..., Node]
+    settings: Settings, open_engine_node: Callable[..., Node], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A spawned agent that stops answering (SIGSTOP: not runnable) and has not beaten for HUNG_S is hung:
     the engine's `agent_up` is 0, the engine kills it and starts another, which uploads what is stored.
     Engines once saw only that the lock was held: `agent_up` 1, and nothing uploaded for good."""
+    monkeypatch.setattr("kvstore.node.watch.RESTART_EVERY_S", 5.0)  # a restart 5 s after the first start
     node = open_engine_node("spawn")
     hung = wait_value(lambda: agent_status(settings.cache_dir).pid, what="the agent the engine started")
     os.kill(hung, signal.SIGSTOP)

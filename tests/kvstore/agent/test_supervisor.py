@@ -89,10 +89,14 @@ def wait_for_value(fn: Any) -> Any:
 
 
 def test_engines_serve_without_an_agent_and_a_new_one_uploads_everything(
-    settings: Settings, open_engine_node: Any, caplog: pytest.LogCaptureFixture
+    settings: Settings,
+    open_engine_node: Any,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Killed with SIGKILL, the agent leaves its lock to the kernel; the engine keeps serving from NVMe,
     says the agent is down (metric, log), starts a new one, and nothing it reported stored is lost."""
+    monkeypatch.setattr("kvstore.node.watch.RESTART_EVERY_S", 5.0)  # a restart 5 s after the first start
     node = open_engine_node()
     pid = wait_for_agent(settings)
     os.kill(pid, signal.SIGSTOP)  # frozen first, so the chunks below stay in the journal
