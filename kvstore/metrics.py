@@ -89,6 +89,11 @@ class EngineMetrics:
             ["reason"],
             registry=registry,
         )
+        self.tail_probes_on_node = Counter(
+            "kvstore:tail_probes_on_node",
+            "Chunks of a request's short unknown tail asked of this node only (the bucket was not asked)",
+            registry=registry,
+        )
         self.store_errors = Counter(
             "kvstore:object_store_errors", "Object store operations that failed", ["op"], registry=registry
         )

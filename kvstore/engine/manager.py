@@ -223,9 +223,15 @@ class TieredStore:
         if keys:
             self._prober.probe_prefixes([[key] for key in keys])
 
-    def probe_prefixes(self, chains: Sequence[Sequence[str]]) -> None:
-        """Like `probe_async`, for the unknown keys of requests (one chain each, in token order): see
+    def probe_prefixes(
+        self, chains: Sequence[Sequence[str]], *, node_only: Sequence[Sequence[str]] = ()
+    ) -> None:
+        """Like `probe_async`, for the unknown keys of requests (one chain each, in token order), and
+        ``node_only`` chains for this node's index alone (not on NVMe: a miss, the bucket is not asked): see
         `kvstore.engine.prober`. Never blocks. The scheduler calls it at the end of a step."""
+        if node_only:
+            self._prober.probe_prefixes(node_only, node_only=True)
+            self.metrics.tail_probes_on_node.inc(sum(map(len, node_only)))
         self._prober.probe_prefixes(chains)
         self._count_lookups()
 

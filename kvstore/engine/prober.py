@@ -7,6 +7,11 @@ follows finds the bytes in memory, see `kvstore.engine.chain_fetch`; else by HEA
 are on NVMe never waits behind another request's GETs. A request that waits looks its keys up again on every
 scheduler step: a key already asked is not asked again until it is answered, every probe has ended, or it
 was asked longer ago than ``_ASK_AGAIN_S`` (its answer may have been lost to a store error).
+
+Some chains are asked of this node alone (`probe_prefixes(..., node_only=True)`): the index answers them and
+what is not on NVMe is a miss, with no request to the bucket. The scheduler does this for the short tail of a
+request whose beginning this node holds, the new turn of a conversation, when the operator asks for it
+(`probe_tail_tokens`): on a node that serves its conversations alone it is never in the bucket.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class Prober:
         self._asked: dict[str, float] = {}  # keys handed to the probe and not answered yet
         self._requests: queue.SimpleQueue[list[list[str]]] = queue.SimpleQueue()
         self._probing: set[str] = set()  # keys the probe is answering now (the index, or GETs in flight)
+        self._node_only: set[str] = set()  # keys asked of this node alone (answered by the index)
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self.timeline: Timeline | None = None  # milestones for benchmarks (see `kvstore.engine.timeline`)
@@ -59,15 +65,25 @@ class Prober:
         asked = self._asked.get(key)
         return asked is None or self._clock() - asked > _ASK_AGAIN_S
 
-    def probe_prefixes(self, chains: Sequence[Sequence[str]]) -> None:
+    def probe_prefixes(self, chains: Sequence[Sequence[str]], *, node_only: bool = False) -> None:
         """Queue chains of keys for the probe. A chain is the unknown keys of one request (and KV-cache
         group) in token order: a request can only use the chunks before its first miss, so when probing by
         GET the first key of every chain is asked first, and a chain stops at its first miss (the keys after
-        it stay unanswered, asked again if anyone still wants them)."""
+        it stay unanswered, asked again if anyone still wants them). With ``node_only``, only the index is
+        asked (see the module docstring); a key also asked without it is asked of the bucket too."""
         lists = [list(chain) for chain in chains if chain]
         if lists:
             now = self._clock()
-            self._asked.update((key, now) for chain in lists for key in chain)
+            keys = [key for chain in lists for key in chain]
+            self._asked.update((key, now) for key in keys)
+            if node_only:
+                with self._lock:
+                    if len(self._node_only) > _MAX_PENDING_PROBES:  # keys answered by another probe first
+                        self._node_only.clear()
+                    self._node_only.update(keys)
+            elif self._node_only:  # only this thread adds to it: empty now, nothing to take back
+                with self._lock:
+                    self._node_only.difference_update(keys)
             self._requests.put(lists)
 
     @property
@@ -159,6 +175,14 @@ class Prober:
         on_node = set(local)
         self._done(local)
         elsewhere = [chain for chain in ([k for k in c if k not in on_node] for c in chains) if chain]
+        with self._lock:
+            node_only = [k for chain in elsewhere for k in chain if k in self._node_only]
+            self._node_only.difference_update(node_only)
+        if node_only:  # not on this node, and not to be asked of the bucket: a miss
+            outcomes.nowhere(node_only)
+            self._done(node_only)
+            answered = set(node_only)
+            elsewhere = [chain for chain in ([k for k in c if k not in answered] for c in elsewhere) if chain]
         if not elsewhere:
             return
         rest = [key for chain in elsewhere for key in chain]

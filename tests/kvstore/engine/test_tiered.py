@@ -648,6 +648,35 @@ def test_absent_keys_asked_every_step_cost_one_request_each_per_miss_ttl(
     assert [engine.lookup_cached(k) for k in absent] == [Presence.MISS] * 3
 
 
+def test_a_tail_asked_of_this_node_only_costs_the_bucket_nothing(
+    s3_server: S3Server,
+    s3_store: S3Store,
+    cache: NVMeCache,
+    metrics: EngineMetrics,
+    make_engine: MakeEngine,
+) -> None:
+    """A request's short tail (`probe_tail_tokens`): the index answers, what is not on NVMe is a miss, and
+    the bucket is not asked, even for a chunk it holds; asked again as an ordinary chain, the bucket is."""
+    on_node, in_bucket, new = keys(3, "tail")
+    engine = make_engine(s3_store, cache, metrics)
+    assert engine.store_many([(on_node, payload(0))]).written == 1
+    fill(s3_store, [in_bucket])
+    other = make_engine(s3_store, cache, EngineMetrics(CollectorRegistry()))  # knows nothing of the store
+    before = s3_server.requests(s3_store.bucket)
+    other.probe_prefixes([], node_only=[[on_node, in_bucket, new]])
+    wait_for(lambda: other.probes_in_flight == 0, what="the node-only probe")
+    assert [other.lookup_cached(k) for k in (on_node, in_bucket, new)] == [
+        Presence.LOCAL,
+        Presence.MISS,
+        Presence.MISS,
+    ]
+    assert (s3_server.requests(s3_store.bucket) - before).get == 0
+    assert sample(other.metrics, "kvstore:tail_probes_on_node_total") == 3
+    third = make_engine(s3_store, cache, EngineMetrics(CollectorRegistry()))
+    third.probe_prefixes([[in_bucket]], node_only=[[in_bucket]])  # also asked as a chain: the bucket is asked
+    wait_for(lambda: third.lookup_cached(in_bucket) is Presence.REMOTE, what="the bucket's answer")
+
+
 # -- what the engine hears from the node (issue 30's mutations that nothing caught) ------------------------
 
 
