@@ -91,6 +91,7 @@ _TIER_OPTIONS = {
     "stats_interval_s",
     "job_batch_chunks",
     "timeline_path",
+    "probe_tail_tokens",
 }
 # `agent`: "auto" (default) starts the node agent when none runs on this cache directory; "external" leaves it
 # to the operator (`kvstore agent` in a DaemonSet container or a systemd unit).
@@ -198,6 +199,13 @@ class KVStoreTier(SecondaryTierManager):
             batch_chunks=int(options.get("job_batch_chunks", 256)),
         )
         self._unprobed: list[UnknownChunk] = []
+        # A request's unknown tail of at most this many tokens, after a beginning vLLM or the tier holds (a
+        # conversation's new turn), is asked of this node only: no bucket round trip holds the request. Off
+        # by default: in a fleet the tail may be the turn another node served (`connector/probe_order.py`).
+        self._tail_tokens = int(options.get("probe_tail_tokens", 0))
+        if self._tail_tokens < 0:
+            raise ConfigError("KVStoreTier: probe_tail_tokens must be >= 0")
+        self._chunk_tokens = max(offloading_spec.tokens_per_block) * offloading_spec.blocks_per_chunk
         self._chunk_keys: dict[bytes, str] = {}  # offload key -> chunk key (inside vLLM's calls only)
         self._stats = BackgroundStats(
             TierStats(self._engine.metrics), interval_s=float(options.get("stats_interval_s", 0.5))
@@ -281,7 +289,8 @@ class KVStoreTier(SecondaryTierManager):
                 self._timeline.mark(milestones.PROBE_SENT)
         if self._unprobed:
             batch, self._unprobed = self._unprobed, []
-            self._engine.probe_prefixes(prefix_chains(batch))
+            plan = prefix_chains(batch, chunk_tokens=self._chunk_tokens, tail_tokens=self._tail_tokens)
+            self._engine.probe_prefixes(plan.chains, node_only=plan.node_only)
             self._update_switch_interval()
         else:
             self._engine.end_of_step()

