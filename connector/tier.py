@@ -205,7 +205,11 @@ class KVStoreTier(SecondaryTierManager):
         self._tail_tokens = int(options.get("probe_tail_tokens", 0))
         if self._tail_tokens < 0:
             raise ConfigError("KVStoreTier: probe_tail_tokens must be >= 0")
-        self._chunk_tokens = max(offloading_spec.tokens_per_block) * offloading_spec.blocks_per_chunk
+        # The most tokens a chunk holds in any KV-cache group (0 where vLLM's spec does not say).
+        per_block = getattr(offloading_spec, "tokens_per_block", None) or (0,)
+        self._chunk_tokens = max(per_block) * offloading_spec.blocks_per_chunk
+        if self._tail_tokens and not self._chunk_tokens:
+            raise ConfigError("KVStoreTier: probe_tail_tokens needs the tokens_per_block of vLLM's spec")
         self._chunk_keys: dict[bytes, str] = {}  # offload key -> chunk key (inside vLLM's calls only)
         self._stats = BackgroundStats(
             TierStats(self._engine.metrics), interval_s=float(options.get("stats_interval_s", 0.5))
