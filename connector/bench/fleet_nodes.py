@@ -19,7 +19,6 @@ from kvstore.connector.harness.routed import CacheAware, RoundRobin, Router, loc
 from kvstore.connector.harness.router import DynamoIndexer, free_port
 from kvstore.connector.harness.servers import ServerSpec
 from kvstore.connector.harness.vllm_server import VLLMServer
-from kvstore.processes import start_time
 
 __all__ = ["BLOCK_TOKENS", "NODES", "Accounts", "Nodes", "cpu_delta", "node_cpus"]
 
@@ -163,22 +162,11 @@ class Nodes:
     def stop_agents(self, logs: Path, *, keep_logs: bool) -> None:
         """Stop each node's agent; with `keep_logs`, its log is copied under `logs` first."""
         for node, directory in enumerate(self.cache_dirs):
-            agent = agent_status(directory)
-            stop_agent(directory, timeout_s=10)
-            if agent.pid is not None and agent.process_start is not None:
-                _wait_exited(agent.pid, agent.process_start, timeout_s=10)
+            stop_agent(directory, timeout_s=10)  # returns once the agent's process is gone
             log = directory / LOG_NAME
             if keep_logs and log.exists():
                 with contextlib.suppress(OSError):
                     shutil.copyfile(log, logs / f"{self.method}-node{node}-agent.log")
-
-
-def _wait_exited(pid: int, started: str, *, timeout_s: float) -> None:
-    """Wait until the process is gone (a zombie, or its pid reused, counts): an agent lets go of its lock
-    before it exits, and until it exits it holds the node's files open."""
-    deadline = time.monotonic() + timeout_s
-    while start_time(pid) == started and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 class Accounts:

@@ -36,6 +36,7 @@ from kvstore.node.agent_files import (
     signal_agent,
 )
 from kvstore.node.private import PRIVATE_FILE, private_dir, tighten
+from kvstore.processes import start_time
 
 __all__ = [
     "HEARTBEAT_S",
@@ -138,7 +139,9 @@ def _agent_environment() -> dict[str, str]:
 def stop_agent(cache_dir: str | os.PathLike[str], *, timeout_s: float = 10.0) -> bool:
     """Stop the agent of ``cache_dir`` (SIGTERM, then SIGKILL after ``timeout_s``); True once none runs.
     The signal goes to the process the kernel says holds the lock, whatever ``agent.json`` says (or if it is
-    gone), and only while that process still does; it may host other things (`kvstore serve`)."""
+    gone), and only while that process still does; it may host other things (`kvstore serve`). The agent
+    lets go of its lock before it exits and holds the node's files open until then: this returns once that
+    process is gone too (or the same deadline passed), so the caller may remove the directory."""
     for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
         status = agent_status(cache_dir)
         if not status.running:
@@ -148,9 +151,18 @@ def stop_agent(cache_dir: str | os.PathLike[str], *, timeout_s: float = 10.0) ->
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             if not lock_held(cache_dir):
+                _wait_exited(status.pid, status.process_start, deadline)
                 return True
             time.sleep(0.05)
     return not lock_held(cache_dir)
+
+
+def _wait_exited(pid: int | None, started: str | None, deadline: float) -> None:
+    """Until the process that held the lock is gone (a zombie, or its pid reused, counts) or ``deadline``."""
+    if pid is None or started is None:
+        return
+    while start_time(pid) == started and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def settings_payload(settings: Settings) -> bytes:

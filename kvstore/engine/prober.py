@@ -175,14 +175,16 @@ class Prober:
         on_node = set(local)
         self._done(local)
         elsewhere = [chain for chain in ([k for k in c if k not in on_node] for c in chains) if chain]
-        with self._lock:
-            node_only = [k for chain in elsewhere for k in chain if k in self._node_only]
-            self._node_only.difference_update(node_only)
-        if node_only:  # not on this node, and not to be asked of the bucket: a miss
-            outcomes.nowhere(node_only)
-            self._done(node_only)
-            answered = set(node_only)
-            elsewhere = [chain for chain in ([k for k in c if k not in answered] for c in elsewhere) if chain]
+        # Node-only keys are added before their chain is queued: an empty set here means none in this batch.
+        if self._node_only:
+            with self._lock:
+                node_only = {k for chain in elsewhere for k in chain if k in self._node_only}
+                self._node_only -= node_only
+            if node_only:  # not on this node, and not to be asked of the bucket: a miss
+                outcomes.nowhere(list(node_only))
+                self._done(list(node_only))
+                kept = ([k for k in chain if k not in node_only] for chain in elsewhere)
+                elsewhere = [chain for chain in kept if chain]
         if not elsewhere:
             return
         rest = [key for chain in elsewhere for key in chain]
