@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 from pydantic import SecretStr
 
+from kvstore.agent.supervisor import stop_agent
 from kvstore.config import GiB, Settings
 from kvstore.connector.bench.multiturn import Sizing
 from kvstore.connector.harness.metrics import metric_delta
@@ -218,6 +219,9 @@ def run_demo(
         timeline = demo_dir / "new-node-timeline.jsonl"
         timeline.unlink(missing_ok=True)
         new_tier = {**tier, "cache_dir": str(new_cache), "timeline_path": str(timeline)}
+        # The node agent the new node's tier starts outlives its engine (it exits once idle): stop it once
+        # the engine has stopped, so that the demo leaves no process behind.
+        stack.callback(stop_agent, new_cache)
         second = stack.enter_context(
             vllm_server(
                 model,

@@ -3,6 +3,7 @@ replay; then nothing it started is left: no process, no /dev/shm file."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -29,16 +30,27 @@ SMALL = DemoOptions(
 
 
 def _processes_under(path: Path) -> list[str]:
-    """Command lines of live processes that mention `path` (the demo's weed and vLLM do)."""
+    """Command lines of live processes that mention `path` in their command line (weed) or hold a file
+    under it open (vLLM's processes write their logs there: a fork of a preloaded process, as the tests
+    start vLLM, has that process's command line)."""
     found = []
     for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
         try:
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if str(path) in cmdline or any(str(path) in _link(fd) for fd in (proc / "fd").iterdir()):
+                found.append(cmdline[:200])
         except OSError:
             continue
-        if proc.name.isdigit() and str(path) in cmdline:
-            found.append(cmdline[:200])
     return found
+
+
+def _link(fd: Path) -> str:
+    try:
+        return os.readlink(fd)
+    except OSError:
+        return ""
 
 
 @pytest.fixture
