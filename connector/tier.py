@@ -42,7 +42,6 @@ from prometheus_client import CollectorRegistry
 from typing_extensions import override
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
-    Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -56,12 +55,12 @@ from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvstore.config import DataPathSettings, RoutingSettings, fields_of, load_settings
 from kvstore.connector.engine_keys import engine_scheme, publish_namespace
 from kvstore.connector.jobs import JobThreads
 from kvstore.connector.probe_order import UnknownChunk, prefix_chains
-from kvstore.connector.tier_events import announce_served, parse_locality, to_vllm_events
+from kvstore.connector.tier_events import announce_served, to_vllm_events
 from kvstore.connector.tier_metrics import BackgroundStats, TierStats, metric_definitions
+from kvstore.connector.tier_options import parse_tier_options
 from kvstore.engine import Presence, TieredStore
 from kvstore.engine import timeline as milestones
 from kvstore.engine.timeline import Timeline
@@ -69,34 +68,12 @@ from kvstore.errors import ConfigError
 from kvstore.key_scheme import KeyScheme
 from kvstore.keys import Namespace
 from kvstore.metrics import EngineMetrics
-from kvstore.runtime import AgentMode, Node, open_node
+from kvstore.runtime import Node, open_node
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
 
 log = logging.getLogger(__name__)
-
-# Python's default GIL switch interval is 5 ms; while a request waits on the tier, this (see __init__).
-_FAST_SWITCH_S = 0.00002
-
-# Options a `secondary_tiers` entry may carry: the settings of the data path and routing groups (never the
-# credentials or the admin service's), and the tier's own.
-_SETTINGS_OPTIONS = fields_of(DataPathSettings, RoutingSettings)
-_TIER_OPTIONS = {
-    "enable_kv_events",
-    "locality",
-    "job_workers",
-    "agent",
-    "gil_switch_interval_s",
-    "stats_interval_s",
-    "job_batch_chunks",
-    "timeline_path",
-    "probe_tail_tokens",
-}
-# `agent`: "auto" (default) starts the node agent when none runs on this cache directory; "external" leaves it
-# to the operator (`kvstore agent` in a DaemonSet container or a systemd unit).
-_AGENT_CHOICES: dict[str, AgentMode] = {"auto": "spawn", "external": "none"}
-
 
 _CHUNK_KEY_MEMO = 262_144
 # The lookup's answers, read from module globals rather than through their enums on every call.
@@ -119,36 +96,16 @@ class KVStoreTier(SecondaryTierManager):
         **options: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        unknown = sorted(set(options) - _SETTINGS_OPTIONS - _TIER_OPTIONS)
-        if unknown:
-            raise ConfigError(
-                f"KVStoreTier: unknown option(s) {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(_SETTINGS_OPTIONS | _TIER_OPTIONS))}"
-            )
-        settings = load_settings(**{k: v for k, v in options.items() if k in _SETTINGS_OPTIONS})
-        if not settings.store_url:
-            raise ConfigError("KVStoreTier: store_url is required (or set KVSTORE_STORE_URL)")
-        self.locality = parse_locality("locality", options.get("locality"), Locality.LOCAL)
-        self._localities = {
-            "nvme": self.locality,
-            "object": parse_locality("object_locality", settings.object_locality, Locality.LOCAL),
-        }
-        # While a request waits on us (a load, or a probe after a RETRY), vLLM's engine loop spins on the GIL,
-        # and each of our threads coming back from a read or an index lookup waits up to Python's switch
-        # interval (5 ms) for it: a load of 50 chunks could spend most of its time queueing. A short interval
-        # while such work is pending bounds each hand-off; the process's own interval is restored when none
-        # is. Stores are write-behind and leave it alone: a short interval costs the scheduler thread
-        # preemptions. The switch interval is process-wide and was measured on the CPU backend only, where
-        # the forward pass competes for the same GIL: on by default with `CPUTieringSpec`, off (0) with the
-        # stock GPU spec until it has been measured there; `gil_switch_interval_s` sets it either way.
-        self._fast_switch = float(
-            options.get("gil_switch_interval_s", _FAST_SWITCH_S if _is_cpu_spec(offloading_spec) else 0.0)
-        )
-        if not 0 <= self._fast_switch < 1:
-            raise ConfigError("KVStoreTier: gil_switch_interval_s must be >= 0 and < 1 (seconds)")
-        self._workers_per_kind = int(options.get("job_workers", 1))
-        if self._workers_per_kind < 1:
-            raise ConfigError("KVStoreTier: job_workers must be >= 1")
+        opts = parse_tier_options(options, cpu_spec=_is_cpu_spec(offloading_spec))
+        settings = opts.settings
+        # The most tokens a chunk holds in any KV-cache group (0 where vLLM's spec does not say).
+        per_block = getattr(offloading_spec, "tokens_per_block", None) or (0,)
+        self._chunk_tokens = max(per_block) * offloading_spec.blocks_per_chunk
+        if opts.probe_tail_tokens and not self._chunk_tokens:
+            raise ConfigError("KVStoreTier: probe_tail_tokens needs the tokens_per_block of vLLM's spec")
+        self.locality = opts.locality
+        self._localities = {"nvme": opts.locality, "object": opts.object_locality}
+        self._fast_switch = opts.gil_switch_interval_s  # while a request waits on us (see `TierOptions`)
         self._loads_in_flight: set[int] = set()  # job ids; changed only inside vLLM's (serialised) calls
         # With KV events: the chunks each request got from this tier (job id -> request, keys while a load
         # runs; request -> keys until it finishes), then announced again (see the module docstring).
@@ -166,9 +123,6 @@ class KVStoreTier(SecondaryTierManager):
         )
         self.namespace = Namespace.from_fields(mapper.get_run_config(), rank=mapper.rank)
 
-        agent = str(options.get("agent", "auto"))
-        if agent not in _AGENT_CHOICES:
-            raise ConfigError(f"KVStoreTier: agent must be one of {', '.join(_AGENT_CHOICES)}, got {agent!r}")
         # A registry of our own: the engine process may not export the global one, and tests run several.
         # The node agent (uploads, admission, eviction, access records, pin sync) runs in a process of its
         # own at idle priority: this one keeps only what a waiting request needs.
@@ -177,15 +131,13 @@ class KVStoreTier(SecondaryTierManager):
             metrics=EngineMetrics(CollectorRegistry()),
             check_store=False,
             element_width=self.namespace.element_width,
-            agent=_AGENT_CHOICES[agent],
+            agent=opts.agent,
         )
         self._engine = self._node.engine
         # vLLM asks about every chunk of a waiting request on every step: bound once, not per call.
         self._lookup_cached = self._engine.lookup_cached
         self._needs_probe = self._engine.needs_probe
-        # Benchmarks: each request's milestones, appended to this file (see `kvstore.engine.timeline`).
-        path = options.get("timeline_path")
-        self._timeline = Timeline(str(path)) if path else None
+        self._timeline = Timeline(opts.timeline_path) if opts.timeline_path else None
         self._engine.trace(self._timeline)
         self._slots = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view
         # Job threads: `job_workers` per kind (default 1), each running what waits in its queue as one batch.
@@ -195,28 +147,14 @@ class KVStoreTier(SecondaryTierManager):
         self._jobs = JobThreads(
             self._run_loads,
             self._run_stores,
-            workers_per_kind=self._workers_per_kind,
-            batch_chunks=int(options.get("job_batch_chunks", 256)),
+            workers_per_kind=opts.job_workers,
+            batch_chunks=opts.job_batch_chunks,
         )
         self._unprobed: list[UnknownChunk] = []
-        # A request's unknown tail of at most this many tokens, after a beginning vLLM or the tier holds (a
-        # conversation's new turn), is asked of this node only: no bucket round trip holds the request. Off
-        # by default: in a fleet the tail may be the turn another node served (`connector/probe_order.py`).
-        self._tail_tokens = int(options.get("probe_tail_tokens", 0))
-        if self._tail_tokens < 0:
-            raise ConfigError("KVStoreTier: probe_tail_tokens must be >= 0")
-        # The most tokens a chunk holds in any KV-cache group (0 where vLLM's spec does not say).
-        per_block = getattr(offloading_spec, "tokens_per_block", None) or (0,)
-        self._chunk_tokens = max(per_block) * offloading_spec.blocks_per_chunk
-        if self._tail_tokens and not self._chunk_tokens:
-            raise ConfigError("KVStoreTier: probe_tail_tokens needs the tokens_per_block of vLLM's spec")
+        self._tail_tokens = opts.probe_tail_tokens
         self._chunk_keys: dict[bytes, str] = {}  # offload key -> chunk key (inside vLLM's calls only)
-        self._stats = BackgroundStats(
-            TierStats(self._engine.metrics), interval_s=float(options.get("stats_interval_s", 0.5))
-        )
-        events_on = (
-            bool(options.get("enable_kv_events")) and offloading_spec.kv_events_config.enable_kv_cache_events
-        )
+        self._stats = BackgroundStats(TierStats(self._engine.metrics), interval_s=opts.stats_interval_s)
+        events_on = opts.enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
         self._events_enabled = events_on
         if events_on and not offloading_spec.kv_events_config.self_describing_kv_events:
             log.warning(
