@@ -23,6 +23,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -39,8 +40,7 @@ VLLM_MODULES = (
     "vllm.entrypoints.llm",
     "vllm.entrypoints.openai.api_server",
     "kvstore.connector.harness.engine_child",
-    "kvstore.connector.tier",
-)
+)  # not the tier: a child imports it itself, so a tier that fails to import fails that child, with its log
 _START_TIMEOUT_S = 180.0
 _SPAWN_TIMEOUT_S = 30.0
 
@@ -88,10 +88,12 @@ class ForkServer:
     def __init__(self, env: Mapping[str, str], preload: Sequence[str] = VLLM_MODULES) -> None:
         """Start the server with ``env``; it imports the ``preload`` modules before it answers."""
         self._lock = threading.Lock()
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close(); what a failed start says
         self._proc = subprocess.Popen(
             [sys.executable, "-m", __name__, *preload],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=self._log,
             # Its children get their own environment whole; TMPDIR is the first caller's private one.
             env={k: v for k, v in env.items() if k != "TMPDIR"},
             start_new_session=True,
@@ -99,8 +101,10 @@ class ForkServer:
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._in, self._out = self._proc.stdin, self._proc.stdout
         if self._reply(_START_TIMEOUT_S) != {"ready": True}:
+            self._log.seek(0)
+            said = self._log.read()[-4000:].decode(errors="replace")
             self.close()
-            raise RuntimeError("the vLLM fork server did not start")
+            raise RuntimeError(f"the vLLM fork server did not start:\n{said}")
 
     def spawn(
         self,
@@ -147,6 +151,7 @@ class ForkServer:
             self._proc.kill()
             self._proc.wait()
         self._out.close()
+        self._log.close()
 
 
 _lock = threading.Lock()
@@ -255,8 +260,6 @@ def _become(request: dict[str, Any]) -> NoReturn:
         os.close(null)
         os.environ.clear()
         os.environ.update(request["env"])
-        import tempfile
-
         tempfile.tempdir = None  # TMPDIR is the child's own
         os.chdir(request["cwd"])
         rc = _run_module(request["module"], request["args"])

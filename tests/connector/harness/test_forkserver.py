@@ -87,3 +87,9 @@ def test_closing_the_server_kills_what_it_started(tmp_path: Path) -> None:
     wait_for(lambda: not _alive(child.pid), timeout=10, what="the child gone")
     with pytest.raises(RuntimeError, match="fork server is gone"):
         _spawn(server, tmp_path, "late")
+
+
+def test_a_server_that_cannot_preload_says_why() -> None:
+    with pytest.raises(RuntimeError, match="did not start") as failed:
+        ForkServer(dict(os.environ), preload=("no_such_module_here",))
+    assert "No module named 'no_such_module_here'" in str(failed.value)
