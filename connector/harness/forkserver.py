@@ -31,7 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
-__all__ = ["VLLM_MODULES", "ChildProcess", "ForkServer", "ForkedProcess", "active", "forked_vllm"]
+__all__ = [
+    "VLLM_MODULES",
+    "ChildProcess",
+    "ForkServer",
+    "ForkedProcess",
+    "active",
+    "die_with_parent",
+    "forked_vllm",
+]
 
 # What the children run: the engine runner's child and `vllm serve`'s entry point, with what they import.
 VLLM_MODULES = (
@@ -259,7 +267,7 @@ def _become(request: dict[str, Any]) -> NoReturn:
     rc = 1
     try:
         os.setsid()
-        _die_with_parent()
+        die_with_parent(signal.SIGKILL)  # the fork server's death
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
@@ -307,14 +315,15 @@ def _exit(rc: int) -> NoReturn:
     os._exit(rc)
 
 
-def _die_with_parent() -> None:
-    """SIGKILL when the fork server dies (Linux), so nothing outlives the run that started it."""
+def die_with_parent(sig: int) -> None:
+    """Get ``sig`` when the parent (strictly: the thread that started this process) dies; Linux only, a no-op
+    elsewhere. Call it in the child."""
     if sys.platform != "linux":
         return
     import ctypes
 
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
 
 
 if __name__ == "__main__":

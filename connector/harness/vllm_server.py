@@ -19,6 +19,7 @@ Inside `forkserver.forked_vllm()` (the test suite) that is a fork of a process t
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -37,7 +38,7 @@ import httpx
 
 from kvstore.connector.harness import forkserver
 from kvstore.connector.harness.engine_runner import remove_new_shm, shm_snapshot, vllm_child_env
-from kvstore.connector.harness.forkserver import ChildProcess
+from kvstore.connector.harness.forkserver import ChildProcess, die_with_parent
 from kvstore.connector.harness.metrics import metric_total, parse_metrics
 
 # metric_total and parse_metrics live in harness.metrics; benchmarks import them from here too.
@@ -91,10 +92,7 @@ def vllm_server(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     model = Path(model_dir).name
-    args = [
-        sys.executable,
-        "-m",
-        _ENTRY_MODULE,
+    flags = [
         "--model",
         str(model_dir),
         "--served-model-name",
@@ -106,13 +104,13 @@ def vllm_server(
         *_DEFAULT_ARGS,
     ]
     if kv_transfer_config is not None:
-        args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-    args += list(extra_args)
+        flags += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    flags += list(extra_args)
     child_env = vllm_child_env(child_tmp, {"PYTHONUNBUFFERED": "1", **(env or {})})
     proc: ChildProcess | None = None
     up = False
     try:
-        proc = _start(args, child_env, work, log_path)
+        proc = _start(flags, child_env, work, log_path)
         server = VLLMServer(f"http://127.0.0.1:{port}", model, log_path, proc)
         _wait_healthy(server, proc, time.monotonic() + startup_timeout_s)
         up = True
@@ -124,25 +122,25 @@ def vllm_server(
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _start(args: list[str], env: dict[str, str], work: Path, log_path: Path) -> ChildProcess:
+def _start(flags: list[str], env: dict[str, str], work: Path, log_path: Path) -> ChildProcess:
     """The server, leading a process group of its own (stopping it reaches engine core and workers); a fork
     of the preloaded process inside ``forked_vllm()``."""
     server = forkserver.active(env)
     if server is not None:
-        module, flags = args[2], args[3:]  # [python, "-m", module, *flags]
         return server.spawn(
-            module, flags, env=env, log_path=log_path, status_path=work / "exit_status", cwd=work
+            _ENTRY_MODULE, flags, env=env, log_path=log_path, status_path=work / "exit_status", cwd=work
         )
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            args,
+            [sys.executable, "-m", _ENTRY_MODULE, *flags],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
             cwd=work,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            # On Linux, SIGTERM when the process that started us dies: a killed benchmark leaves no server.
+            preexec_fn=functools.partial(die_with_parent, signal.SIGTERM),
         )
 
 
@@ -191,18 +189,6 @@ def _group_alive(pgid: int) -> bool:
     except (ProcessLookupError, PermissionError):
         return False
     return True
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: on Linux, SIGTERM when the process that started us dies, so a killed
-    benchmark never leaves a server behind. Elsewhere a no-op."""
-    if sys.platform != "linux":
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _tail(path: Path, n: int) -> str:
