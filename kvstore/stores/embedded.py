@@ -48,6 +48,7 @@ _PROBE_BUCKET = "kvstore-embedded-probe"
 _PROBE_KEY = "ready"
 _PROBE_OPTIONS = S3Options(connect_timeout=0.5, read_timeout=5.0, retries=0)
 _SHELL_S = 120.0  # one maintenance pass of `weed shell`, at most
+_PORT_TRIES = 3  # starts on freshly chosen ports before a port taken in between is an error
 _PORT_NAMES = (
     "master.port",
     "master.port.grpc",
@@ -246,8 +247,26 @@ class SeaweedServer:
         os.chmod(self.data_dir, 0o700)  # its volumes hold every object in the clear: no other user reads them
         (self.data_dir / "weed" / "sock").mkdir(mode=0o700, parents=True, exist_ok=True)
         write_security_config(self.data_dir)
-        if self._ports is None:
-            self._ports = _Ports(dict(zip(_PORT_NAMES, _free_ports(len(_PORT_NAMES)), strict=True)))
+        # Free ports are released again for weed to bind, and another process may take one in between (an
+        # outgoing connection's ephemeral port, another server's pick): a first start that loses that race
+        # tries new ports. A restart keeps its ports, which its clients know.
+        fresh = self._ports is None
+        for tries_left in reversed(range(_PORT_TRIES if fresh else 1)):
+            if fresh:
+                self._ports = _Ports(dict(zip(_PORT_NAMES, _free_ports(len(_PORT_NAMES)), strict=True)))
+            try:
+                self._launch(began + timeout)
+                break
+            except StoreError:
+                if not tries_left or not self._lost_a_port():
+                    raise
+                log.info("SeaweedFS could not bind a port chosen for it; starting again on other ports")
+        self.start_seconds = time.monotonic() - began
+        threading.Thread(target=self._reclaim, name="kvstore-s3-vacuum", daemon=True).start()
+
+    def _launch(self, deadline: float) -> None:
+        """Start weed on `self._ports` and wait until S3 serves; stopped again if it does not."""
+        assert self._ports is not None
         self._log = (self.data_dir / "weed.log").open("ab")
         self._started_at = time.time()
         # Normal CPU priority, unlike the node agent: engines wait on its GETs, and a busy engine starves a
@@ -264,12 +283,15 @@ class SeaweedServer:
             preexec_fn=_die_with_parent,
         )
         try:
-            self._wait_ready(began + timeout)
+            self._wait_ready(deadline)
         except BaseException:
             self.stop()
             raise
-        self.start_seconds = time.monotonic() - began
-        threading.Thread(target=self._reclaim, name="kvstore-s3-vacuum", daemon=True).start()
+
+    def _lost_a_port(self) -> bool:
+        """Whether the start that just failed ended on a port someone else holds."""
+        tail = self._log_tail(lines=5)
+        return "Port allocation failed" in tail or "address already in use" in tail
 
     def _environment(self) -> dict[str, str]:
         return weed_environment(self.data_dir, self.access_key, self.secret_key)

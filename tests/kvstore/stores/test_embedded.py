@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import subprocess
 import threading
@@ -15,7 +16,7 @@ import httpx
 import pytest
 
 from kvstore.errors import StoreAuthError
-from kvstore.stores import S3Store
+from kvstore.stores import S3Store, embedded
 from kvstore.stores.embedded import SeaweedServer, ensure_embedded_server, find_weed_binary
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -100,6 +101,36 @@ def test_restart_keeps_ports_and_data(tmp_path: Path) -> None:
             assert store.get("a") == b"1"
     server.stop()  # stopping again (leaving the block stopped it) is harmless
     assert not server.running
+
+
+def test_a_port_taken_before_weed_binds_it_means_other_ports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Free ports are chosen, released, then bound by weed; another process can take one in between (CI: a
+    parallel test's). The first start then tries fresh ports instead of failing every test that needs S3."""
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks: list[list[int]] = []
+    choose = embedded._free_ports
+
+    def first_pick_has_a_taken_port(count: int) -> list[int]:
+        ports = choose(count)
+        if not picks:
+            ports[embedded._PORT_NAMES.index("filer.port")] = taken.getsockname()[1]  # as in CI
+        picks.append(ports)
+        return ports
+
+    monkeypatch.setattr(embedded, "_free_ports", first_pick_has_a_taken_port)
+    try:
+        with SeaweedServer(tmp_path / "sw") as server, server.store("taken") as store:
+            store.create_bucket()
+            store.put("a", b"1")
+            assert store.get("a") == b"1"
+            assert len(picks) == 2 and taken.getsockname()[1] not in server.ports.values()
+    finally:
+        taken.close()
+    assert "Port allocation failed" in (tmp_path / "sw" / "weed.log").read_text()
 
 
 def test_space_of_deleted_objects_is_reclaimed_at_the_next_start(tmp_path: Path) -> None:
