@@ -16,6 +16,7 @@ import fcntl
 import json
 import logging
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -48,6 +49,7 @@ _PROBE_BUCKET = "kvstore-embedded-probe"
 _PROBE_KEY = "ready"
 _PROBE_OPTIONS = S3Options(connect_timeout=0.5, read_timeout=5.0, retries=0)
 _SHELL_S = 120.0  # one maintenance pass of `weed shell`, at most
+_LOW_PORTS = 20000  # where weed's ports are chosen, up to the ephemeral range
 _PORT_TRIES = 3  # starts on freshly chosen ports before a port taken in between is an error
 _PORT_NAMES = (
     "master.port",
@@ -77,17 +79,35 @@ def find_weed_binary() -> Path:
 
 
 def _free_ports(count: int) -> list[int]:
-    # Hold all sockets open until every port is chosen, so the kernel hands out distinct ones.
+    """Ports free now, below the kernel's ephemeral range where it has room: the kernel hands ephemeral ports
+    to every outgoing connection and every bind to port 0, so one of those can take a port there between
+    this choice and weed's bind (CI: weed's admin server, two minutes later, exited on it)."""
+    low = _ephemeral_low()
+    tries = 1000 if low - _LOW_PORTS >= 1000 else 0  # then any free port the kernel gives
+    # Hold all sockets open until every port is chosen, so they are distinct.
     socks: list[socket.socket] = []
     try:
-        for _ in range(count):
+        while len(socks) < count:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((_HOST, 0))
+            tries -= 1
+            try:
+                s.bind((_HOST, random.randrange(_LOW_PORTS, low) if tries >= 0 else 0))
+            except OSError:  # taken: another one
+                s.close()
+                continue
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
             s.close()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default if it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +155,7 @@ class SeaweedServer:
         self.secret_key = secret_key or secrets.token_urlsafe(30)
         self._binary = Path(binary) if binary else find_weed_binary()
         self._ports: _Ports | None = None
+        self._launched_at_byte = 0  # where the latest launch's lines begin in weed.log
         self._process: subprocess.Popen[bytes] | None = None
         self._shell: subprocess.Popen[bytes] | None = None  # a `weed shell` maintenance pass, while one runs
         self._started_at = 0.0  # wall-clock time of the last start
@@ -268,6 +289,7 @@ class SeaweedServer:
         """Start weed on `self._ports` and wait until S3 serves; stopped again if it does not."""
         assert self._ports is not None
         self._log = (self.data_dir / "weed.log").open("ab")
+        self._launched_at_byte = self._log.tell()
         self._started_at = time.time()
         # Normal CPU priority, unlike the node agent: engines wait on its GETs, and a busy engine starves a
         # server at SCHED_IDLE (bench multiturn, 16 conversations, median of 3 runs each: ours 0.92x vLLM's
@@ -284,14 +306,22 @@ class SeaweedServer:
         )
         try:
             self._wait_ready(deadline)
+            # A part of weed that failed to bind may not stop the rest: S3 serves, and it exits minutes later.
+            if self._lost_a_port():
+                raise StoreError(f"weed could not bind a port it was given; {self._log_tail()}")
         except BaseException:
             self.stop()
             raise
 
     def _lost_a_port(self) -> bool:
-        """Whether the start that just failed ended on a port someone else holds."""
-        tail = self._log_tail(lines=5)
-        return "Port allocation failed" in tail or "address already in use" in tail
+        """Whether the latest launch met a port someone else holds (its log says so)."""
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self._launched_at_byte)
+                text = log.read().decode(errors="replace")
+        except OSError:
+            return False
+        return "Port allocation failed" in text or "address already in use" in text
 
     def _environment(self) -> dict[str, str]:
         return weed_environment(self.data_dir, self.access_key, self.secret_key)

@@ -106,18 +106,19 @@ def test_restart_keeps_ports_and_data(tmp_path: Path) -> None:
 def test_a_port_taken_before_weed_binds_it_means_other_ports(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Free ports are chosen, released, then bound by weed; another process can take one in between (CI: a
+    """Free ports are chosen, released, then bound by weed; another process can take one in between (CI, a
     parallel test's). The first start then tries fresh ports instead of failing every test that needs S3."""
     taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     taken.bind(("127.0.0.1", 0))
     taken.listen()
+    taken_port = taken.getsockname()[1]
     picks: list[list[int]] = []
     choose = embedded._free_ports
 
     def first_pick_has_a_taken_port(count: int) -> list[int]:
         ports = choose(count)
         if not picks:
-            ports[embedded._PORT_NAMES.index("filer.port")] = taken.getsockname()[1]  # as in CI
+            ports[embedded._PORT_NAMES.index("filer.port")] = taken_port  # weed exits at once
         picks.append(ports)
         return ports
 
@@ -127,10 +128,36 @@ def test_a_port_taken_before_weed_binds_it_means_other_ports(
             store.create_bucket()
             store.put("a", b"1")
             assert store.get("a") == b"1"
-            assert len(picks) == 2 and taken.getsockname()[1] not in server.ports.values()
+            assert len(picks) == 2 and taken_port not in server.ports.values()
     finally:
         taken.close()
-    assert "Port allocation failed" in (tmp_path / "sw" / "weed.log").read_text()
+    assert str(taken_port) in (tmp_path / "sw" / "weed.log").read_text()
+
+
+def test_a_launch_whose_log_shows_a_failed_bind_is_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What CI met: weed's own check of its ports passed, then its admin server found its port taken; S3
+    served, and weed exited two minutes later. Here weed's line from then is added to its log once S3
+    serves: that launch is stopped and the server starts again on other ports."""
+    wait_ready = SeaweedServer._wait_ready
+    launches: list[dict[str, int]] = []
+
+    def ready_then_admin_fails(server: SeaweedServer, deadline: float) -> None:
+        wait_ready(server, deadline)
+        launches.append(server.ports)
+        if len(launches) == 1:
+            with server.log_path.open("a") as log:
+                port = server.ports["admin.port"]
+                log.write(f"E mini.go:1673 Admin server error: listen tcp 127.0.0.1:{port}: ")
+                log.write("bind: address already in use\n")
+
+    monkeypatch.setattr(SeaweedServer, "_wait_ready", ready_then_admin_fails)
+    with SeaweedServer(tmp_path / "sw") as server, server.store("rebound") as store:
+        store.create_bucket()
+        store.put("a", b"1")
+        assert store.get("a") == b"1"
+        assert len(launches) == 2 and launches[0] != launches[1] == server.ports
 
 
 def test_space_of_deleted_objects_is_reclaimed_at_the_next_start(tmp_path: Path) -> None:
