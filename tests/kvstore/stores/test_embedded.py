@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from kvstore.errors import StoreAuthError
-from kvstore.stores import S3Store, embedded
+from kvstore.stores import S3Store, embedded_ports
 from kvstore.stores.embedded import SeaweedServer, ensure_embedded_server, find_weed_binary
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -113,16 +113,16 @@ def test_a_port_taken_before_weed_binds_it_means_other_ports(
     taken.listen()
     taken_port = taken.getsockname()[1]
     picks: list[list[int]] = []
-    choose = embedded._free_ports
+    choose = embedded_ports.free_ports
 
-    def first_pick_has_a_taken_port(count: int) -> list[int]:
-        ports = choose(count)
+    def first_pick_has_a_taken_port(host: str, count: int) -> list[int]:
+        ports = choose(host, count)
         if not picks:
-            ports[embedded._PORT_NAMES.index("filer.port")] = taken_port  # weed exits at once
+            ports[embedded_ports.PORT_NAMES.index("filer.port")] = taken_port  # weed exits at once
         picks.append(ports)
         return ports
 
-    monkeypatch.setattr(embedded, "_free_ports", first_pick_has_a_taken_port)
+    monkeypatch.setattr(embedded_ports, "free_ports", first_pick_has_a_taken_port)
     try:
         with SeaweedServer(tmp_path / "sw") as server, server.store("taken") as store:
             store.create_bucket()
