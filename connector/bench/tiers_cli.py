@@ -117,6 +117,16 @@ def _print(report: TiersReport, codecs: list[CodecResult], rounds: int) -> None:
                 "-" if p.raw_gets_per_chunk is None else f"{p.raw_gets_per_chunk:.2f}",
             )
         console.print(objects)
+        threads = table(
+            "where the object path's CPU goes: us per chunk by thread (MainThread: the scheduler, which looks"
+            " up every waiting chunk every step; tokio-rt-worker: obstore's HTTP)",
+            ("chunk", "side", "by thread"),
+        )
+        for p in report.object_path:
+            for side, spent in (("ours", p.cpu_us_by_thread), ("raw", p.raw_cpu_us_by_thread)):
+                shown = ", ".join(f"{role} {us:.0f}" for role, us in spent.items() if us >= 1)
+                threads.add_row(f"{p.chunk_bytes // 1024} KiB", side, shown or "-")
+        console.print(threads)
     codec_table = table(
         "codecs on 2 MiB bf16-like chunks", ("codec", "ratio", "encode GB/s", "decode+verify GB/s")
     )

@@ -11,7 +11,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,7 @@ from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob
 
 from kvstore.agent.uploads import wait_uploaded
 from kvstore.connector.bench.target import StoreTarget
+from kvstore.connector.bench.thread_cpu import cpu_by_role, thread_cpu
 from kvstore.connector.bench.tier_driver import (
     STEP_S,
     Primary,
@@ -46,6 +47,10 @@ class ObjectPathResult:
     # GETs (and HEADs) the S3 server counted per chunk loaded: ours (probes and loads) and the raw loop's.
     gets_per_chunk: float | None = None
     raw_gets_per_chunk: float | None = None
+    # Where that CPU went, by thread: the scheduler's (lookups every step), our io threads' (GET calls and
+    # checks), obstore's runtime (HTTP), ... (`kvstore.connector.bench.thread_cpu`).
+    cpu_us_by_thread: dict[str, float] = field(default_factory=dict)
+    raw_cpu_us_by_thread: dict[str, float] = field(default_factory=dict)
 
 
 def _scheduler_loads(tier: SecondaryTierManager, keys: Sequence[OffloadKey], first_row: int) -> Timed:
@@ -58,6 +63,7 @@ def _scheduler_loads(tier: SecondaryTierManager, keys: Sequence[OffloadKey], fir
     todo = list(range(len(keys)))
     in_flight: set[int] = set()
     job_id = 200_000
+    threads = thread_cpu()
     cpu = time.process_time()
     start = time.perf_counter()
     while todo or in_flight:
@@ -83,7 +89,7 @@ def _scheduler_loads(tier: SecondaryTierManager, keys: Sequence[OffloadKey], fir
         todo = waiting
         tier.on_schedule_end(None)  # type: ignore[arg-type]  # the standalone scheduler has no context
         time.sleep(STEP_S)
-    return Timed(time.perf_counter() - start, time.process_time() - cpu)
+    return Timed(time.perf_counter() - start, time.process_time() - cpu, cpu_by_role(threads, thread_cpu()))
 
 
 def bench_object_path(
@@ -99,7 +105,8 @@ def bench_object_path(
     primary = Primary(chunk_bytes, 2 * chunks)
     primary.fill(chunks, seed=chunk_bytes + 1)
     keys = keys_for(f"object-{chunk_bytes}-{time.time_ns()}", chunks)
-    raw_get = _raw_gets(target, _seed(primary, keys, target, workdir), workers)
+    raw_pool = ThreadPoolExecutor(workers, thread_name_prefix="raw-get")
+    raw_get = _raw_gets(target, _seed(primary, keys, target, workdir), raw_pool)
     ours: list[Timed] = []
     baseline: list[Timed] = []
     asked: dict[str, float] = {}
@@ -126,6 +133,7 @@ def bench_object_path(
                 shutil.rmtree(root, ignore_errors=True)
             primary.map[chunks * chunk_bytes :] = bytes(chunks * chunk_bytes)
     finally:
+        raw_pool.shutdown()
         primary.close()
     total = chunk_bytes * chunks / 1e9
     best_ours, best_raw = min(t.seconds for t in ours), min(t.seconds for t in baseline)
@@ -139,7 +147,16 @@ def bench_object_path(
         raw_cpu_us=statistics.median(t.cpu_s for t in baseline) / chunks * 1e6,
         gets_per_chunk=asked.get("ours"),
         raw_gets_per_chunk=asked.get("raw"),
+        cpu_us_by_thread=_per_chunk_by_thread(ours, chunks),
+        raw_cpu_us_by_thread=_per_chunk_by_thread(baseline, chunks),
     )
+
+
+def _per_chunk_by_thread(runs: Sequence[Timed], chunks: int) -> dict[str, float]:
+    """CPU microseconds per chunk of each thread role, the median over rounds, the largest first."""
+    roles = {role for run in runs for role in run.cpu_by_thread}
+    median = {role: statistics.median(run.cpu_by_thread.get(role, 0.0) for run in runs) for role in roles}
+    return {role: round(s / chunks * 1e6, 1) for role, s in sorted(median.items(), key=lambda kv: -kv[1])}
 
 
 def _seed(primary: Primary, keys: Sequence[OffloadKey], target: StoreTarget, workdir: Path) -> list[str]:
@@ -157,9 +174,10 @@ def _seed(primary: Primary, keys: Sequence[OffloadKey], target: StoreTarget, wor
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _raw_gets(target: StoreTarget, names: Sequence[str], workers: int) -> Callable[[], Timed]:
-    """The raw baseline: one call GETs every object of `names` from `target`'s bucket with obstore, on
-    `workers` threads, and says how long that took."""
+def _raw_gets(target: StoreTarget, names: Sequence[str], pool: ThreadPoolExecutor) -> Callable[[], Timed]:
+    """The raw baseline: one call GETs every object of `names` from `target`'s bucket with obstore, on the
+    threads of `pool` (as many as our tier's io workers, and like them alive before and after), and says how
+    long that took."""
     import obstore
     from obstore.store import S3Store as RawS3
 
@@ -177,11 +195,12 @@ def _raw_gets(target: StoreTarget, names: Sequence[str], workers: int) -> Callab
     )
 
     def raw_get() -> Timed:
+        threads = thread_cpu()
         cpu = time.process_time()
         start = time.perf_counter()
-        with ThreadPoolExecutor(workers) as pool:
-            sizes = list(pool.map(lambda name: len(obstore.get(raw, prefix + name).bytes()), names))
+        sizes = list(pool.map(lambda name: len(obstore.get(raw, prefix + name).bytes()), names))
+        seconds = time.perf_counter() - start
         assert all(sizes)
-        return Timed(time.perf_counter() - start, time.process_time() - cpu)
+        return Timed(seconds, time.process_time() - cpu, cpu_by_role(threads, thread_cpu()))
 
     return raw_get
