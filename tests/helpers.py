@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -20,6 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from typing_extensions import override
 
+from kvstore.ports import free_port
 from kvstore.stores.base import Data, ObjectInfo, ObjectStore
 
 __all__ = [
@@ -124,13 +124,6 @@ class FakeClock:
     def advance(self, seconds: float) -> float:
         self.now += seconds
         return self.now
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cli_env(tmp_path: Path, **extra: str) -> dict[str, str]:

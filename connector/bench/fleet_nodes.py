@@ -16,9 +16,10 @@ from kvstore.agent.supervisor import LOG_NAME, agent_status, stop_agent
 from kvstore.connector.bench.multiturn import Sizing
 from kvstore.connector.bench.target import StoreTarget
 from kvstore.connector.harness.routed import CacheAware, RoundRobin, Router, local_chat_tokenizer
-from kvstore.connector.harness.router import DynamoIndexer, free_port
+from kvstore.connector.harness.router import DynamoIndexer
 from kvstore.connector.harness.servers import ServerSpec
 from kvstore.connector.harness.vllm_server import VLLMServer
+from kvstore.ports import free_port
 
 __all__ = ["BLOCK_TOKENS", "NODES", "Accounts", "Nodes", "cpu_delta", "node_cpus"]
 

@@ -34,7 +34,6 @@ import importlib.util
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,7 +45,9 @@ from typing import Any
 
 import httpx
 
-__all__ = ["Credit", "DynamoIndexer", "RouterError", "dynamo_indexer", "free_port", "unavailable_reason"]
+from kvstore.ports import free_port
+
+__all__ = ["Credit", "DynamoIndexer", "RouterError", "dynamo_indexer", "unavailable_reason"]
 
 _MODULE = "dynamo.indexer"
 _STOP_GRACE_S = 10.0
@@ -74,12 +75,6 @@ def unavailable_reason() -> str | None:
     if not found:
         return f"{_MODULE} is not importable: install ai-dynamo-runtime (the `test` extra pins 1.6.1)"
     return None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from kvstore.connector.harness import forkserver
 from kvstore.connector.harness.engine_runner import remove_new_shm, shm_snapshot, vllm_child_env
 from kvstore.connector.harness.forkserver import ChildProcess, die_with_parent
 from kvstore.connector.harness.metrics import metric_total, parse_metrics
+from kvstore.ports import free_port
 
 # metric_total and parse_metrics live in harness.metrics; benchmarks import them from here too.
 __all__ = ["VLLMServer", "VLLMServerError", "metric_total", "parse_metrics", "vllm_server"]
@@ -90,7 +90,7 @@ def vllm_server(
     child_tmp.mkdir()
     log_path = log_path or work / "server.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     model = Path(model_dir).name
     flags = [
         "--model",
@@ -142,12 +142,6 @@ def _start(flags: list[str], env: dict[str, str], work: Path, log_path: Path) ->
             # On Linux, SIGTERM when the process that started us dies: a killed benchmark leaves no server.
             preexec_fn=functools.partial(die_with_parent, signal.SIGTERM),
         )
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _wait_healthy(server: VLLMServer, proc: ChildProcess, deadline: float) -> None:

@@ -1,21 +1,19 @@
-"""The ports of the embedded SeaweedFS: one per component, chosen free here, then bound by weed.
+"""The ports of the embedded SeaweedFS: one per component, chosen free (`kvstore.ports`), then bound by weed.
 
-Between the choice and weed's bind, another process may take a port. The kernel hands ephemeral ports to
-every outgoing connection and every bind to port 0, so the ports come from below its ephemeral range, where
-only a deliberate bind lands; and a launch whose log shows a failed bind starts again on other ports
-(`kvstore.stores.embedded`). CI met both: weed exiting at start on a taken filer port, and weed's admin server
-failing to bind while S3 served, then weed exiting two minutes later.
+A port can still be taken between the choice and weed's bind, and weed's log says so: at start ("Port
+allocation failed", it exits at once), or later for one of its parts ("address already in use": CI met its
+admin server failing while S3 served, and weed exiting two minutes later). A launch whose log says either
+starts again on other ports (`kvstore.stores.embedded`).
 """
 
 from __future__ import annotations
 
-import random
-import socket
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Self
 
-__all__ = ["PORT_NAMES", "Ports", "bind_failed", "free_ports"]
+from kvstore.ports import free_ports
+
+__all__ = ["PORT_NAMES", "Ports", "bind_failed"]
 
 PORT_NAMES = (
     "master.port",
@@ -30,7 +28,6 @@ PORT_NAMES = (
     "admin.port.grpc",
     "metricsPort",  # Prometheus counters (requests by type and status): what benchmarks count S3 calls with
 )
-_LOW_PORTS = 20000  # where ports are chosen, up to the ephemeral range
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +36,7 @@ class Ports:
 
     @classmethod
     def choose(cls, host: str) -> Self:
-        return cls(dict(zip(PORT_NAMES, free_ports(host, len(PORT_NAMES)), strict=True)))
+        return cls(dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES), host), strict=True)))
 
     @property
     def s3(self) -> int:
@@ -50,36 +47,6 @@ class Ports:
         return self.by_flag["metricsPort"]
 
 
-def free_ports(host: str, count: int) -> list[int]:
-    """`count` distinct ports free on `host` now, below the ephemeral range where it has room."""
-    low = _ephemeral_low()
-    tries = 1000 if low - _LOW_PORTS >= 1000 else 0  # then any free port the kernel gives
-    # Hold all sockets open until every port is chosen, so they are distinct.
-    socks: list[socket.socket] = []
-    try:
-        while len(socks) < count:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            tries -= 1
-            try:
-                s.bind((host, random.randrange(_LOW_PORTS, low) if tries >= 0 else 0))
-            except OSError:  # taken: another one
-                s.close()
-                continue
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def bind_failed(log: str) -> bool:
     """Whether weed's log says it could not have a port it was given."""
     return "Port allocation failed" in log or "address already in use" in log
-
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (Linux's default if it cannot be read)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768

@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -40,6 +39,7 @@ from kvstore.config import load_settings
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, make_offload_key
 from kvstore.metrics import EngineMetrics
+from kvstore.ports import free_port
 from kvstore.runtime import Node, open_node
 from kvstore.stores.embedded import SeaweedServer
 
@@ -87,12 +87,6 @@ class Recorder:
             }
             for kind, waits in sorted(self.waits.items())
         }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _node(server: SeaweedServer, bucket: str, cache_dir: Path, token: str) -> Node:
@@ -199,7 +193,7 @@ def run(stops: list[float]) -> dict[str, Any]:
             assert wait_uploaded(writer.engine.cache, 60), "the writer's uploads did not finish"
             writer.close()
             reader = _node(server, bucket, root / "cache-reader", token)
-            port = _free_port()
+            port = free_port()
             app = create_app(reader)
             config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
             web = uvicorn.Server(config)

@@ -115,8 +115,8 @@ def test_a_port_taken_before_weed_binds_it_means_other_ports(
     picks: list[list[int]] = []
     choose = embedded_ports.free_ports
 
-    def first_pick_has_a_taken_port(host: str, count: int) -> list[int]:
-        ports = choose(host, count)
+    def first_pick_has_a_taken_port(count: int, host: str) -> list[int]:
+        ports = choose(count, host)
         if not picks:
             ports[embedded_ports.PORT_NAMES.index("filer.port")] = taken_port  # weed exits at once
         picks.append(ports)
