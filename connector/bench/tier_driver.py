@@ -18,7 +18,7 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, make_o
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
-from kvstore.agent.supervisor import agent_status, stop_agent
+from kvstore.agent.supervisor import stop_agent, wait_agent_up
 from kvstore.connector.harness.standalone import standalone_spec
 from kvstore.connector.tier import KVStoreTier
 
@@ -87,20 +87,11 @@ def our_tier(primary: Primary, root: Path, store_url: str, **options: Any) -> KV
         tier_type="KVStoreTier",
         **{**settings, **options},
     )
-    if options.get("agent", "auto") == "auto":
-        _wait_for_agent(Path(tier.engine.cache.directory))
+    # On a node the agent runs long before the first store: its start must not land in a measurement.
+    cache_dir = tier.engine.cache.directory
+    if options.get("agent", "auto") == "auto" and not wait_agent_up(cache_dir, timeout_s=60):
+        raise RuntimeError(f"the node agent on {cache_dir} did not start within 60 s")
     return tier
-
-
-def _wait_for_agent(cache_dir: Path, timeout_s: float = 60.0) -> None:
-    """Until the node agent the tier started is up (it wrote its status): on a node it runs long before the
-    first store, and its start (a Python process importing what it needs, a second or two of CPU here)
-    must not land in a measurement."""
-    deadline = time.monotonic() + timeout_s
-    while agent_status(cache_dir).heartbeat_age_s is None:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the node agent on {cache_dir} did not start within {timeout_s:.0f} s")
-        time.sleep(0.05)
 
 
 def fs_tier(primary: Primary, root: Path) -> FileSystemTierManager:

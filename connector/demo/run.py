@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 from pydantic import SecretStr
 
-from kvstore.agent.supervisor import agent_status, stop_agent
+from kvstore.agent.supervisor import stop_agent, wait_agent_up
 from kvstore.config import GiB, Settings
 from kvstore.connector.bench.multiturn import Sizing
 from kvstore.connector.harness.metrics import metric_delta
@@ -232,7 +232,7 @@ def run_demo(
             )
         )
         report.new_node_url = second.base_url
-        _wait_for_agent(new_cache)  # a real node's agent runs long before its first request
+        wait_agent_up(new_cache, timeout_s=60.0)  # a real node's agent runs long before its first request
         say("the returning user reaches the new node: served from the bucket, then recomputed for comparison")
         # Its first request pays the server's own first-request costs; a short unrelated one takes them, so
         # the two TTFTs below compare the bucket with recomputation only.
@@ -295,14 +295,6 @@ def _ttft(server: VLLMServer, prompt: str, cache_salt: str | None = None) -> tup
     response.raise_for_status()
     details = response.json().get("usage", {}).get("prompt_tokens_details") or {}
     return elapsed, int(details.get("cached_tokens") or 0)
-
-
-def _wait_for_agent(cache_dir: Path, timeout_s: float = 60.0) -> None:
-    """Until the node agent the new node's tier started is up: its start (a process importing what it
-    needs, a second or two of CPU) must not land in the request the demo times."""
-    deadline = time.monotonic() + timeout_s
-    while agent_status(cache_dir).heartbeat_age_s is None and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def _wait_for_uploads(node: Any, timeout_s: float = 120.0) -> None:

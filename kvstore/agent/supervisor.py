@@ -50,6 +50,7 @@ __all__ = [
     "settings_payload",
     "spawn_agent",
     "stop_agent",
+    "wait_agent_up",
 ]
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,18 @@ def _agent_environment() -> dict[str, str]:
     if config:
         env["KVSTORE_CONFIG_FILE"] = os.path.abspath(config)
     return env
+
+
+def wait_agent_up(cache_dir: str | os.PathLike[str], *, timeout_s: float) -> bool:
+    """Until the agent of ``cache_dir`` is up (it wrote its status); False if it was not by ``timeout_s``.
+    On a node it runs long before the first request; its start (a Python process importing what it needs,
+    a second or two of CPU) must not land in what a benchmark or the demo times."""
+    deadline = time.monotonic() + timeout_s
+    while agent_status(cache_dir).heartbeat_age_s is None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def stop_agent(cache_dir: str | os.PathLike[str], *, timeout_s: float = 10.0) -> bool:
