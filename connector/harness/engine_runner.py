@@ -143,10 +143,17 @@ def shm_snapshot() -> set[str]:
         return set()
 
 
-def new_shm(before: set[str]) -> set[str]:
-    """vLLM's and torch's /dev/shm entries made since `before` that no live process holds: what engines that
-    have stopped left behind (an engine running meanwhile, another test's or a benchmark's, holds its own)."""
-    return {name for name in shm_snapshot() - before - shm_in_use() if name.startswith(_VLLM_SHM)}
+def new_shm(before: set[str], *, settle_s: float = 30.0) -> set[str]:
+    """vLLM's and torch's /dev/shm entries made since `before` that no live process holds and that are still
+    there after up to `settle_s`: what engines that have stopped left behind. An engine running meanwhile
+    (another test's, a benchmark's) holds its own; one that stopped meanwhile may leave entries free for a
+    moment before its own harness removes them, so a free entry counts only once it outlasts the wait."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        left = {name for name in shm_snapshot() - before - shm_in_use() if name.startswith(_VLLM_SHM)}
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.5)
 
 
 def run_engine(

@@ -1,10 +1,15 @@
-"""The engine harness itself: a metric the engine does not declare is an error, never a 0."""
+"""The engine harness itself: a metric the engine does not declare is an error, never a 0; what an engine left
+in /dev/shm is told apart from what another test's engine frees for a moment as it stops."""
 
 from __future__ import annotations
 
+import os
+import threading
+import uuid
+
 import pytest
 
-from kvstore.connector.harness.engine_runner import EngineRun, UnknownMetric
+from kvstore.connector.harness.engine_runner import SHM, EngineRun, UnknownMetric, new_shm, shm_snapshot
 
 
 def run_with(metrics: dict[str, float], names: set[str]) -> EngineRun:
@@ -33,3 +38,21 @@ def test_an_unknown_metric_name_raises() -> None:
         run.metric("vllm:kvstore_chunk_hit")  # a typo, or a metric renamed under the test's feet
     with pytest.raises(UnknownMetric):
         run_with({}, set()).metric("vllm:kvstore_chunk_hits")  # a run whose metrics were lost
+
+
+def test_a_leftover_is_reported_and_an_entry_removed_meanwhile_is_not() -> None:
+    before = shm_snapshot()
+    leaked = SHM / f"psm_kvstore_test_{uuid.uuid4().hex[:8]}"
+    passing = SHM / f"psm_kvstore_test_{uuid.uuid4().hex[:8]}"
+    leaked.write_bytes(b"x")
+    passing.write_bytes(b"x")
+    # Another test's engine stopped a moment ago: its harness removes its entry a second later.
+    remover = threading.Timer(1.0, os.unlink, args=(passing,))
+    remover.start()
+    try:
+        assert new_shm(before, settle_s=3.0) == {leaked.name}
+    finally:
+        remover.cancel()
+        leaked.unlink()
+        passing.unlink(missing_ok=True)
+    assert new_shm(before, settle_s=0) == set()
