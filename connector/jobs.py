@@ -27,9 +27,17 @@ RunBatch = Callable[[Sequence[TransferJob]], list[JobResult]]
 
 class JobThreads:
     def __init__(
-        self, run_loads: RunBatch, run_stores: RunBatch, *, workers_per_kind: int, batch_chunks: int
+        self,
+        run_loads: RunBatch,
+        run_stores: RunBatch,
+        *,
+        workers_per_kind: int,
+        batch_chunks: int,
+        on_finished: Callable[[], None] = lambda: None,
     ) -> None:
+        """``on_finished`` runs on a job thread after each batch's results are ready to take."""
         self._batch_chunks = batch_chunks
+        self._on_finished = on_finished
         self._queues: dict[str, queue.SimpleQueue[TransferJob | None]] = {
             "load": queue.SimpleQueue(),
             "store": queue.SimpleQueue(),
@@ -115,3 +123,4 @@ class JobThreads:
         self._finished.extend(results)
         with self._idle:
             self._idle.notify_all()
+        self._on_finished()

@@ -56,6 +56,7 @@ from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvstore.connector.engine_keys import engine_scheme, publish_namespace
+from kvstore.connector.idle_step import step_scheduled_nothing
 from kvstore.connector.jobs import JobThreads
 from kvstore.connector.probe_order import UnknownChunk, prefix_chains
 from kvstore.connector.tier_events import announce_served, to_vllm_events
@@ -144,12 +145,15 @@ class KVStoreTier(SecondaryTierManager):
         # More job threads only made them compete for the GIL with each other and with the scheduler thread
         # (four shared: 1.1-1.3 ms per paced step; one per kind: 0.43-0.48 ms); the engine's disk and io
         # threads give the I/O its parallelism.
+        self._job_finished = threading.Event()
         self._jobs = JobThreads(
             self._run_loads,
             self._run_stores,
             workers_per_kind=opts.job_workers,
             batch_chunks=opts.job_batch_chunks,
+            on_finished=self._job_finished.set,
         )
+        self._idle_wait_s = opts.idle_step_wait_s
         self._unprobed: list[UnknownChunk] = []
         self._tail_tokens = opts.probe_tail_tokens
         self._chunk_keys: dict[bytes, str] = {}  # offload key -> chunk key (inside vLLM's calls only)
@@ -236,6 +240,17 @@ class KVStoreTier(SecondaryTierManager):
             self._update_switch_interval()
         else:
             self._engine.end_of_step()
+        if (
+            self._idle_wait_s
+            and (self._engine.probes_in_flight or self._jobs.in_flight)
+            and step_scheduled_nothing()
+        ):
+            # vLLM idles until we answer: wait here rather than be asked about every chunk again a moment
+            # later. A finished job ends the wait (vLLM goes on with it); answers wait for the next step.
+            if self._timeline is not None:
+                self._timeline.mark(milestones.IDLE_WAIT)
+            self._job_finished.wait(self._idle_wait_s)
+        self._job_finished.clear()
 
     @override
     def has_pending_work(self) -> bool:
@@ -317,6 +332,8 @@ class KVStoreTier(SecondaryTierManager):
         if self._switched:
             sys.setswitchinterval(self._normal_switch)
         self._stats.close()
+        if self._timeline is not None:
+            self._timeline.close()
         report = self._engine.close()
         if report.not_uploaded:
             log.info("KVStoreTier: %d chunks wait in the node's upload journal", report.not_uploaded)

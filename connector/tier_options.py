@@ -20,6 +20,8 @@ from kvstore.runtime import AgentMode
 
 # Python's default GIL switch interval is 5 ms; while a request waits on the tier, this (see `TierOptions`).
 FAST_SWITCH_S = 0.00002
+# The longest a step that scheduled nothing waits for the tier (see `TierOptions`).
+IDLE_STEP_WAIT_S = 0.002
 
 _SETTINGS_OPTIONS = fields_of(DataPathSettings, RoutingSettings)
 _TIER_OPTIONS = {
@@ -32,6 +34,7 @@ _TIER_OPTIONS = {
     "job_batch_chunks",
     "timeline_path",
     "probe_tail_tokens",
+    "idle_step_wait_s",
 }
 # `agent`: "auto" (default) starts the node agent when none runs on this cache directory; "external" leaves it
 # to the operator (`kvstore agent` in a DaemonSet container or a systemd unit).
@@ -62,6 +65,12 @@ class TierOptions:
     probe_tail_tokens: int
     stats_interval_s: float
     enable_kv_events: bool
+    # A step that scheduled nothing, while the tier has probes or jobs in flight, waits up to this long (less
+    # when a job finishes) before vLLM steps again: nothing runs that the wait could delay, and each idle step
+    # costs the engine's thread a lookup of every waiting chunk (a new node's 47-chunk request took 90 steps
+    # and half the process's CPU while its GETs shared the cores; see `kvstore.connector.idle_step`). A
+    # request that arrives meanwhile is scheduled up to this much later. 0: off.
+    idle_step_wait_s: float
 
 
 def parse_tier_options(options: Mapping[str, Any], *, cpu_spec: bool) -> TierOptions:
@@ -87,6 +96,9 @@ def parse_tier_options(options: Mapping[str, Any], *, cpu_spec: bool) -> TierOpt
     tail_tokens = int(options.get("probe_tail_tokens", 0))
     if tail_tokens < 0:
         raise ConfigError("KVStoreTier: probe_tail_tokens must be >= 0")
+    idle_wait = float(options.get("idle_step_wait_s", IDLE_STEP_WAIT_S))
+    if not 0 <= idle_wait <= 0.1:
+        raise ConfigError("KVStoreTier: idle_step_wait_s must be >= 0 and <= 0.1 (seconds)")
     timeline = options.get("timeline_path")
     return TierOptions(
         settings=settings,
@@ -100,4 +112,5 @@ def parse_tier_options(options: Mapping[str, Any], *, cpu_spec: bool) -> TierOpt
         probe_tail_tokens=tail_tokens,
         stats_interval_s=float(options.get("stats_interval_s", 0.5)),
         enable_kv_events=bool(options.get("enable_kv_events")),
+        idle_step_wait_s=idle_wait,
     )

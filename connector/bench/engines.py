@@ -217,7 +217,7 @@ def _counted(
 
 def phases(episodes: list[Episode], run: EngineRun) -> tuple[list[Phase], dict[str, float]]:
     """Median phases of a new node's requests (their episodes beside their generate calls), and median
-    counts: scheduler steps, lookups, promotion jobs, GETs."""
+    counts: scheduler steps, those that waited for the tier, lookups, promotion jobs, GETs."""
     per_prompt: list[list[Phase]] = []
     counts: dict[str, list[float]] = {}
     for episode, (g0, g1) in zip(episodes, run.generate_at[1:], strict=False):
@@ -225,7 +225,13 @@ def phases(episodes: list[Episode], run: EngineRun) -> tuple[list[Phase], dict[s
         if any(m not in marks for m in (milestones.LOOKUP, milestones.INDEX_READ, milestones.LOAD_REPORTED)):
             continue
         per_prompt.append(episode_phases(episode, g0, g1))
-        for name in (milestones.STEP, milestones.LOOKUP, milestones.LOAD_SUBMITTED, milestones.GET_RETURNED):
+        for name in (
+            milestones.STEP,
+            milestones.IDLE_WAIT,
+            milestones.LOOKUP,
+            milestones.LOAD_SUBMITTED,
+            milestones.GET_RETURNED,
+        ):
             counts.setdefault(name, []).append(marks[name].count if name in marks else 0)
     if not per_prompt:
         return [], {}

@@ -25,8 +25,10 @@ from kvstore.connector.tier import KVStoreTier
 __all__ = [
     "STEP_S",
     "Primary",
+    "StepOutput",
     "Timed",
     "close_tier",
+    "end_step",
     "fs_tier",
     "keys_for",
     "make_jobs",
@@ -36,6 +38,22 @@ __all__ = [
 ]
 
 STEP_S = 0.0005  # the pause between scheduler steps while a tier works (vLLM's engine loop)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What vLLM's scheduler hands its connector at the end of a step, as far as a tier reads it."""
+
+    total_num_scheduled_tokens: int
+
+
+def end_step(tier: SecondaryTierManager, *, scheduled_tokens: int) -> None:
+    """End a scheduler step as vLLM does: its connector's `build_connector_meta(scheduler_output)` calls the
+    tiers' `on_schedule_end`. 0 tokens is an idle step (the engine waits on its tiers), where our tier may
+    wait for news; more is a step with a forward pass (see `kvstore.connector.idle_step`)."""
+    scheduler_output = StepOutput(scheduled_tokens)
+    tier.on_schedule_end(None)  # type: ignore[arg-type]  # the standalone scheduler has no context
+    del scheduler_output  # the tier reads it from this frame
 
 
 class Primary:
@@ -122,7 +140,7 @@ def run_jobs(tier: SecondaryTierManager, jobs: Sequence[TransferJob], *, load: b
     waiting = {job.job_id for job in jobs}
     failed: list[int] = []
     while waiting:
-        tier.on_schedule_end(None)  # type: ignore[arg-type]  # the standalone scheduler has no context
+        end_step(tier, scheduled_tokens=0 if load else 1)  # vLLM waits on loads; it stores while it serves
         for result in tier.get_finished_jobs():
             waiting.discard(result.job_id)
             if not result.success:
@@ -163,7 +181,7 @@ def wait_lookups(tier: SecondaryTierManager, keys: Sequence[OffloadKey], timeout
         if LookupResult.MISS in results:
             raise RuntimeError(f"{type(tier).__name__}: a stored chunk is a miss")
         pending = [k for k, r in zip(pending, results, strict=True) if r is not LookupResult.HIT]
-        tier.on_schedule_end(None)  # type: ignore[arg-type]
+        end_step(tier, scheduled_tokens=0)
         if pending:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{type(tier).__name__}: lookups did not settle")

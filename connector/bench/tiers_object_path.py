@@ -26,6 +26,7 @@ from kvstore.connector.bench.tier_driver import (
     Primary,
     Timed,
     close_tier,
+    end_step,
     keys_for,
     make_jobs,
     our_tier,
@@ -87,7 +88,7 @@ def _scheduler_loads(tier: SecondaryTierManager, keys: Sequence[OffloadKey], fir
             )
             in_flight.add(job_id)
         todo = waiting
-        tier.on_schedule_end(None)  # type: ignore[arg-type]  # the standalone scheduler has no context
+        end_step(tier, scheduled_tokens=0)  # a new node's request waits: nothing else runs
         time.sleep(STEP_S)
     return Timed(time.perf_counter() - start, time.process_time() - cpu, cpu_by_role(threads, thread_cpu()))
 

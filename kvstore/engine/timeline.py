@@ -34,6 +34,7 @@ LOAD_REPORTED = "load_reported"  # vLLM took the finished job
 ADMITTED = "admitted"  # object hits written to this node's NVMe (after the load, at a quiet moment)
 FINISHED = "finished"  # the request finished (its first token, for a max_tokens=1 request)
 STEP = "step"  # a scheduler step ended while the request was open
+IDLE_WAIT = "idle_wait"  # ... having scheduled nothing, and waited for the tier (`idle_step_wait_s`)
 
 MILESTONES = (
     LOOKUP,
@@ -118,8 +119,19 @@ class Timeline:
             episode.mark(FINISHED, now, cpu, 1)
             if self._current is episode:
                 self._current = next(reversed(self._open.values()), None)
-        with self.path.open("a") as out:
-            out.write(json.dumps(asdict(episode)) + "\n")
+        self._write([episode])
+
+    def close(self) -> None:
+        """The tier stops: episodes still open are written as they stand, without `FINISHED` (vLLM tells a
+        tier that a request finished at its next step, which an engine that stops next never takes)."""
+        with self._lock:
+            episodes, self._open, self._current = list(self._open.values()), {}, None
+        self._write(episodes)
+
+    def _write(self, episodes: list[Episode]) -> None:
+        if episodes:
+            with self.path.open("a") as out:
+                out.writelines(json.dumps(asdict(episode)) + "\n" for episode in episodes)
 
 
 def read_timelines(path: str | Path) -> list[Episode]:

@@ -24,6 +24,7 @@ from kvstore.chunk import verify
 from kvstore.connector.configs import cpu_tiering_config
 from kvstore.connector.harness.engine_runner import EngineRun, RequestResult, run_engine
 from kvstore.connector.harness.tiny_model import sample_text
+from kvstore.engine.timeline import IDLE_WAIT, read_timelines
 from kvstore.gc import run_gc
 from kvstore.prompts import tokens_from_prompt
 from kvstore.stores import ObjectStore
@@ -101,9 +102,14 @@ def test_restart_and_fleet_sharing(
     assert any(o.key.endswith("/config.json") for o in s3_store.list())
 
     # A fresh node sharing only the bucket: hits come from the object store ...
-    node_b = tier_config(s3_server, s3_store, tmp_path / "nvme-b")
+    timeline = tmp_path / "timeline.jsonl"
+    node_b = tier_config(s3_server, s3_store, tmp_path / "nvme-b", timeline_path=str(timeline))
     remote = run(node_b, [prompt])
     assert remote.results[0].num_cached_tokens == full_chunks * BLOCK_TOKENS, remote.log_tail
+    # While the request waited on the bucket, vLLM's idle steps waited for the tier (vLLM's own
+    # SchedulerOutput, found where `idle_step` looks for it) instead of asking about every chunk each ms.
+    (episode,) = read_timelines(timeline)
+    assert IDLE_WAIT in episode.milestones, sorted(episode.milestones)
     assert_same_kv(remote.results[0], ref, remote.log_tail)
     assert remote.metric("vllm:kvstore_read_bytes", tier="object") > 0
     assert remote.metric("vllm:kvstore_read_bytes", tier="nvme") == 0

