@@ -217,7 +217,7 @@ def _counted(
 
 def phases(episodes: list[Episode], run: EngineRun) -> tuple[list[Phase], dict[str, float]]:
     """Median phases of a new node's requests (their episodes beside their generate calls), and median
-    counts: scheduler steps, those that waited for the tier, lookups, promotion jobs, GETs."""
+    counts: scheduler steps, the idle ones that waited for the tier, lookups, promotion jobs, GETs."""
     per_prompt: list[list[Phase]] = []
     counts: dict[str, list[float]] = {}
     for episode, (g0, g1) in zip(episodes, run.generate_at[1:], strict=False):

@@ -104,8 +104,8 @@ def _print(report: VLLMReport) -> None:
         c = report.timeline_counts
         console.print(
             f"per request: {c.get('step', 0):.0f} scheduler steps ({c.get('idle_wait', 0):.0f} of them idle, "
-            f"waiting for the tier), {c.get('lookup', 0):.0f} lookups of our "
-            f"tier, {c.get('get_returned', 0):.0f} GETs, {c.get('load_submitted', 0):.0f} promotion jobs"
+            f"waiting for the tier), {c.get('lookup', 0):.0f} lookups of our tier, "
+            f"{c.get('get_returned', 0):.0f} GETs, {c.get('load_submitted', 0):.0f} promotion jobs"
         )
     for s in report.scheduler:
         pacing = f"{s.step_interval_ms:.0f} ms between steps" if s.step_interval_ms else "steps back to back"
