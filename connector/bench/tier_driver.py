@@ -50,7 +50,7 @@ class StepOutput:
 def end_step(tier: SecondaryTierManager, *, scheduled_tokens: int) -> None:
     """End a scheduler step as vLLM does: its connector's `build_connector_meta(scheduler_output)` calls the
     tiers' `on_schedule_end`. 0 tokens is an idle step (the engine waits on its tiers), where our tier may
-    wait for news; more is a step with a forward pass (see `kvstore.connector.idle_step`)."""
+    wait for its probe or jobs; more is a step with a forward pass (see `kvstore.connector.idle_step`)."""
     scheduler_output = StepOutput(scheduled_tokens)
     tier.on_schedule_end(None)  # type: ignore[arg-type]  # the standalone scheduler has no context
     del scheduler_output  # the tier reads it from this frame
