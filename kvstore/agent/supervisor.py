@@ -1,6 +1,6 @@
-"""The node agent's process: its priority, how an engine starts it (detached, at idle priority) and how it is
-stopped. The lock, the status file and the engines' registration are the node's shared contract
-(`kvstore.node`), re-exported here for the tools that stop or report on an agent.
+"""The node agent's process: its priority (`kvstore.priority`), how an engine starts it (detached, at idle
+priority) and how it is stopped. The lock, the status file and the engines' registration are the node's
+shared contract (`kvstore.node`), re-exported here for the tools that stop or report on an agent.
 
 ``agent.log`` is what an agent started by an engine writes (it has no terminal).
 """
@@ -8,12 +8,10 @@ stopped. The lock, the status file and the engines' registration are the node's 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import enum
 import json
 import logging
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -36,6 +34,7 @@ from kvstore.node.agent_files import (
     signal_agent,
 )
 from kvstore.node.private import PRIVATE_FILE, private_dir, tighten
+from kvstore.priority import lower_priority
 from kvstore.processes import start_time
 
 __all__ = [
@@ -54,32 +53,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-_IOPRIO_WHO_PROCESS = 1
-_IOPRIO_CLASS_IDLE = 3
-_IOPRIO_CLASS_SHIFT = 13
-_SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
-
-
-def lower_priority(*, whole_process: bool = False) -> None:
-    """SCHED_IDLE (the CPU only when nothing else wants it) and the idle I/O class (the disk only when
-    nothing else uses it) for the calling thread, or for every thread of the process (``whole_process``: a
-    process of its own), and for every thread started from them later. Best effort."""
-    threads = [int(t) for t in os.listdir("/proc/self/task")] if whole_process else [0]
-    number = _SYS_IOPRIO_SET.get(platform.machine())
-    libc = ctypes.CDLL(None, use_errno=True) if number is not None else None
-    for tid in threads:
-        try:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        except (OSError, AttributeError) as exc:
-            log.info("cannot use SCHED_IDLE (%s): nice 19 instead", exc)
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, tid, 19)
-        if libc is not None and number is not None:
-            prio = _IOPRIO_CLASS_IDLE << _IOPRIO_CLASS_SHIFT
-            if libc.syscall(number, _IOPRIO_WHO_PROCESS, tid, prio) != 0:
-                log.info("cannot use the idle I/O class: %s", os.strerror(ctypes.get_errno()))
-
 
 # -- starting and stopping -----------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from types import TracebackType
 from typing import IO, Self
 
 from kvstore.errors import ConfigError, StoreError, StoreUnavailable
+from kvstore.priority import lower_child_priority
 from kvstore.stores.embedded_ports import Ports, bind_failed
 from kvstore.stores.embedded_security import weed_environment, write_security_config
 from kvstore.stores.s3 import S3Options, S3Store
@@ -47,6 +48,8 @@ _PROBE_BUCKET = "kvstore-embedded-probe"
 _PROBE_KEY = "ready"
 _PROBE_OPTIONS = S3Options(connect_timeout=0.5, read_timeout=5.0, retries=0)
 _SHELL_S = 120.0  # one maintenance pass of `weed shell`, at most
+_PURGE_EVERY_S = 24 * 3600.0  # the orphan purge (`volume.fsck`) at most this often
+_PURGE_STAMP = "purge.stamp"  # in the data directory: when the last purge finished
 _PORT_TRIES = 3  # starts on freshly chosen ports before a port taken in between is an error
 
 
@@ -72,6 +75,12 @@ def _die_with_parent() -> None:
     pr_set_pdeathsig = 1
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def _maintenance_child() -> None:
+    """A maintenance shell dies with its starter and takes only the CPU and disk time engines leave."""
+    _die_with_parent()
+    lower_child_priority()
 
 
 class SeaweedServer:
@@ -281,7 +290,8 @@ class SeaweedServer:
             if process is None or process.poll() is not None or process is not self._process:
                 return
             commands = ["volume.vacuum -garbageThreshold=0.1"]
-            if number == 0:
+            purge = number == 0 and self._purge_due()
+            if purge:
                 before_start = max(1, int((time.time() - self._started_at) * 1000))
                 commands.insert(
                     0,
@@ -292,6 +302,17 @@ class SeaweedServer:
                 self._shell_pass(process, master, commands)
             except (OSError, subprocess.SubprocessError) as exc:  # stopped, or busy: the sweep comes later
                 log.debug("volume maintenance failed: %s", exc)
+            else:
+                if purge:
+                    (self.data_dir / _PURGE_STAMP).touch()
+
+    def _purge_due(self) -> bool:
+        """Whether the orphan purge is due: it walks every entry of the filer (155,000 directories took 11
+        CPU-seconds of the shell's and more of the server's), so it runs at most once per `_PURGE_EVERY_S`."""
+        try:
+            return time.time() - (self.data_dir / _PURGE_STAMP).stat().st_mtime >= _PURGE_EVERY_S
+        except FileNotFoundError:
+            return True
 
     def _shell_pass(self, server: subprocess.Popen[bytes], master: str, commands: list[str]) -> None:
         """Run `commands` in one `weed shell` over the master's gRPC port (its HTTP API is off; the shell
@@ -299,6 +320,8 @@ class SeaweedServer:
         still running: one whose master is gone retries forever, outliving the server and its starter."""
         script = "\n".join(["lock", *commands, "unlock", ""]).encode()
         with (self.data_dir / "weed-shell.log").open("ab") as out:
+            out.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')}: {'; '.join(commands)}\n".encode())
+            out.flush()
             shell = subprocess.Popen(
                 [str(self._binary), "-logtostderr", "shell", f"-master={master}"],
                 stdin=subprocess.PIPE,
@@ -307,7 +330,7 @@ class SeaweedServer:
                 env=self._environment(),
                 cwd=self.data_dir,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=_maintenance_child,
             )
             self._shell = shell
             try:

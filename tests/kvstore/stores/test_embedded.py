@@ -18,6 +18,7 @@ import pytest
 from kvstore.errors import StoreAuthError
 from kvstore.stores import S3Store, embedded_ports
 from kvstore.stores.embedded import SeaweedServer, ensure_embedded_server, find_weed_binary
+from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -167,6 +168,8 @@ def test_space_of_deleted_objects_is_reclaimed_at_the_next_start(tmp_path: Path)
         return sum(f.stat().st_size for f in (data_dir / "weed").glob("*.dat"))
 
     server = ensure_embedded_server(data_dir, bucket="kvb")
+    stamp = data_dir / "purge.stamp"
+    wait_for(stamp.exists, timeout=60, what="the first start's orphan purge")
     keys = [f"bench/{i}" for i in range(24)]
     try:
         with server.store("kvb") as store:
@@ -180,6 +183,8 @@ def test_space_of_deleted_objects_is_reclaimed_at_the_next_start(tmp_path: Path)
         server.stop(kill=True)
     assert volume_bytes() >= 24 << 20  # deleting only marks the space
 
+    a_day_ago = time.time() - 24 * 3600 - 60  # the purge walks the whole filer: at most once a day
+    os.utime(stamp, (a_day_ago, a_day_ago))
     again = ensure_embedded_server(data_dir, bucket="kvb")
     try:
         deadline = time.monotonic() + 30
@@ -189,6 +194,27 @@ def test_space_of_deleted_objects_is_reclaimed_at_the_next_start(tmp_path: Path)
         with again.store("kvb") as store:
             assert store.get("kept") == b"live data survives the compaction"
             assert store.get(keys[0]) is None
+    finally:
+        again.stop()
+
+
+def test_the_orphan_purge_runs_at_most_once_a_day(tmp_path: Path) -> None:
+    """It walks every entry of the filer (at every start it would cost a big bucket minutes of CPU): a start
+    within a day of the last purge only compacts."""
+    data_dir = tmp_path / "embedded"
+    shell_log = data_dir / "weed-shell.log"
+
+    def passes() -> list[str]:  # the commands of each maintenance pass, as its log records them
+        return [line for line in shell_log.read_text().splitlines() if line.startswith("# ")]
+
+    server = ensure_embedded_server(data_dir, bucket="kvb")
+    wait_for((data_dir / "purge.stamp").exists, timeout=60, what="the first start's orphan purge")
+    server.stop()
+    assert ["volume.fsck" in line for line in passes()] == [True]
+    again = ensure_embedded_server(data_dir, bucket="kvb")
+    try:
+        wait_for(lambda: len(passes()) > 1, timeout=60, what="the next start's first maintenance pass")
+        assert "volume.vacuum" in passes()[1] and "volume.fsck" not in passes()[1]
     finally:
         again.stop()
 

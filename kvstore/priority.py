@@ -1,0 +1,59 @@
+"""Idle CPU and I/O priority for background work: the node agent, the embedded S3 server's maintenance.
+
+Work nobody waits on takes only what the engines leave: SCHED_IDLE runs a thread only when no other wants
+the CPU, and the idle I/O class uses the disk only when nothing else does. Both are inherited by threads and
+processes started later (across exec too), so a child set up with `lower_priority` in its `preexec_fn` runs
+its whole life at idle priority.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import platform
+
+__all__ = ["lower_child_priority", "lower_priority"]
+
+log = logging.getLogger(__name__)
+
+_IOPRIO_WHO_PROCESS = 1
+_IOPRIO_CLASS_IDLE = 3
+_IOPRIO_CLASS_SHIFT = 13
+_SYS_IOPRIO_SET_BY_MACHINE = {"x86_64": 251, "aarch64": 30}
+_SYS_IOPRIO_SET = _SYS_IOPRIO_SET_BY_MACHINE.get(platform.machine())
+# Loaded here, not in a child between fork and exec (the loader's lock may be held by a thread gone there).
+_LIBC = ctypes.CDLL(None, use_errno=True) if _SYS_IOPRIO_SET is not None else None
+
+
+def lower_priority(*, whole_process: bool = False) -> None:
+    """SCHED_IDLE (the CPU only when nothing else wants it) and the idle I/O class (the disk only when
+    nothing else uses it) for the calling thread, or for every thread of the process (``whole_process``: a
+    process of its own), and for every thread started from them later. Best effort."""
+    threads = [int(t) for t in os.listdir("/proc/self/task")] if whole_process else [0]
+    for tid in threads:
+        for failure in _lower(tid):
+            log.info("%s", failure)
+
+
+def lower_child_priority() -> None:
+    """`lower_priority` for a `preexec_fn`: the child between fork and exec, one thread, which must not
+    log (a lock another thread held at the fork is never released there)."""
+    _lower(0)
+
+
+def _lower(tid: int) -> list[str]:
+    """Idle CPU and I/O priority for thread ``tid`` (0: the caller); what could not be done."""
+    failures = []
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError) as exc:
+        failures.append(f"cannot use SCHED_IDLE ({exc}): nice 19 instead")
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+    if _LIBC is not None:
+        prio = _IOPRIO_CLASS_IDLE << _IOPRIO_CLASS_SHIFT
+        if _LIBC.syscall(_SYS_IOPRIO_SET, _IOPRIO_WHO_PROCESS, tid, prio) != 0:
+            failures.append(f"cannot use the idle I/O class: {os.strerror(ctypes.get_errno())}")
+    return failures
