@@ -62,6 +62,7 @@ from kvstore.connector.probe_order import UnknownChunk, prefix_chains
 from kvstore.connector.tier_events import announce_served, to_vllm_events
 from kvstore.connector.tier_metrics import BackgroundStats, TierStats, metric_definitions
 from kvstore.connector.tier_options import parse_tier_options
+from kvstore.connector.unheld_tail import UnheldTail
 from kvstore.engine import Presence, TieredStore
 from kvstore.engine import timeline as milestones
 from kvstore.engine.timeline import Timeline
@@ -156,6 +157,8 @@ class KVStoreTier(SecondaryTierManager):
         self._idle_wait_s = opts.idle_step_wait_s
         self._unprobed: list[UnknownChunk] = []
         self._tail_tokens = opts.probe_tail_tokens
+        self._unheld_tail = UnheldTail(opts.no_wait_tail_tokens, self._chunk_tokens)
+        self._tail_not_waited = self._engine.metrics.tail_lookups_not_waited
         self._chunk_keys: dict[bytes, str] = {}  # offload key -> chunk key (inside vLLM's calls only)
         self._stats = BackgroundStats(TierStats(self._engine.metrics), interval_s=opts.stats_interval_s)
         events_on = opts.enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
@@ -216,10 +219,13 @@ class KVStoreTier(SecondaryTierManager):
             chunk = self._chunk_keys[key] = self.namespace.chunk_key(key)
         found = self._lookup_cached(chunk)
         if found is _PENDING:
+            position = req_context.get_offload_key_position(key)
             # Probed as one batch at the end of the step, per request and group in lookup order.
             if self._needs_probe(chunk):
-                position = req_context.get_offload_key_position(key)
                 self._unprobed.append(UnknownChunk(req_context.req_id, key[-4:], position, chunk))
+            if self._unheld_tail.answer_at_once(req_context, position):
+                self._tail_not_waited.inc()
+                return _LOOKUP_MISS
             return _RETRY
         if found is _MISS:
             return _LOOKUP_MISS
@@ -233,6 +239,7 @@ class KVStoreTier(SecondaryTierManager):
             self._timeline.mark(milestones.STEP)
             if self._unprobed:
                 self._timeline.mark(milestones.PROBE_SENT)
+        self._unheld_tail.end_of_step()
         if self._unprobed:
             batch, self._unprobed = self._unprobed, []
             plan = prefix_chains(batch, chunk_tokens=self._chunk_tokens, tail_tokens=self._tail_tokens)
@@ -260,6 +267,7 @@ class KVStoreTier(SecondaryTierManager):
     def on_request_finished(self, req_context: ReqContext) -> None:
         # By now vLLM's events tracker has the payloads of what the request loaded (it recorded them when the
         # request's lookups hit the CPU tier), so a BlockStored for them carries their tokens.
+        self._unheld_tail.forget(req_context.req_id)
         served = self._served.pop(req_context.req_id, None)
         if served:
             self._announce.extend(served)

@@ -22,6 +22,8 @@ from kvstore.runtime import AgentMode
 FAST_SWITCH_S = 0.00002
 # The longest a step that scheduled nothing waits for the tier (see `TierOptions`).
 IDLE_STEP_WAIT_S = 0.002
+# A request's last tokens not waited for if its beginning is held: a conversation's new turn (`TierOptions`).
+NO_WAIT_TAIL_TOKENS = 512
 
 _SETTINGS_OPTIONS = fields_of(DataPathSettings, RoutingSettings)
 _TIER_OPTIONS = {
@@ -34,6 +36,7 @@ _TIER_OPTIONS = {
     "job_batch_chunks",
     "timeline_path",
     "probe_tail_tokens",
+    "no_wait_tail_tokens",
     "idle_step_wait_s",
 }
 # `agent`: "auto" (default) starts the node agent when none runs on this cache directory; "external" leaves it
@@ -63,6 +66,10 @@ class TierOptions:
     # conversation's new turn), is asked of this node only: no bucket round trip holds the request. Off by
     # default: in a fleet the tail may be the turn another node served (`connector/probe_order.py`).
     probe_tail_tokens: int
+    # The last this many tokens of a request whose beginning vLLM or the tier holds are not waited for: an
+    # unknown chunk there is a miss at once, while the probe asks about it in the background (see
+    # `kvstore.connector.unheld_tail`). 0: every unknown chunk waits for the probe's answer.
+    no_wait_tail_tokens: int
     stats_interval_s: float
     enable_kv_events: bool
     # A step that scheduled nothing, while the tier has probes or jobs in flight, waits up to this long (less
@@ -96,6 +103,9 @@ def parse_tier_options(options: Mapping[str, Any], *, cpu_spec: bool) -> TierOpt
     tail_tokens = int(options.get("probe_tail_tokens", 0))
     if tail_tokens < 0:
         raise ConfigError("KVStoreTier: probe_tail_tokens must be >= 0")
+    no_wait_tail = int(options.get("no_wait_tail_tokens", NO_WAIT_TAIL_TOKENS))
+    if no_wait_tail < 0:
+        raise ConfigError("KVStoreTier: no_wait_tail_tokens must be >= 0")
     idle_wait = float(options.get("idle_step_wait_s", IDLE_STEP_WAIT_S))
     if not 0 <= idle_wait <= 0.1:
         raise ConfigError("KVStoreTier: idle_step_wait_s must be >= 0 and <= 0.1 (seconds)")
@@ -110,6 +120,7 @@ def parse_tier_options(options: Mapping[str, Any], *, cpu_spec: bool) -> TierOpt
         agent=_AGENT_CHOICES[agent],
         timeline_path=str(timeline) if timeline else None,
         probe_tail_tokens=tail_tokens,
+        no_wait_tail_tokens=no_wait_tail,
         stats_interval_s=float(options.get("stats_interval_s", 0.5)),
         enable_kv_events=bool(options.get("enable_kv_events")),
         idle_step_wait_s=idle_wait,

@@ -94,6 +94,12 @@ class EngineMetrics:
             "Chunks of a request's short unknown tail asked of this node only (the bucket was not asked)",
             registry=registry,
         )
+        self.tail_lookups_not_waited = Counter(
+            "kvstore:tail_lookups_not_waited",
+            "Lookups of a request's short unknown tail after a held beginning, answered as misses at once "
+            "while the probe asks about them in the background (`no_wait_tail_tokens`)",
+            registry=registry,
+        )
         self.store_errors = Counter(
             "kvstore:object_store_errors", "Object store operations that failed", ["op"], registry=registry
         )

