@@ -198,6 +198,24 @@ def test_space_of_deleted_objects_is_reclaimed_at_the_next_start(tmp_path: Path)
         again.stop()
 
 
+def test_a_nodes_own_server_runs_at_idle_priority_a_plain_one_does_not(tmp_path: Path) -> None:
+    """`ensure_embedded_server` (the node's server, beside its engines) runs weed at SCHED_IDLE, every thread;
+    a `SeaweedServer` standing in for an S3 service keeps normal priority."""
+    sched_idle = 5
+
+    def policies(pid: int | None) -> set[int]:
+        assert pid is not None
+        return {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+    node = ensure_embedded_server(tmp_path / "node", bucket="kvb")
+    try:
+        assert policies(node.pid) == {sched_idle}
+    finally:
+        node.stop()
+    with SeaweedServer(tmp_path / "service") as service:
+        assert sched_idle not in policies(service.pid)
+
+
 def test_the_orphan_purge_runs_at_most_once_a_day(tmp_path: Path) -> None:
     """It walks every entry of the filer (at every start it would cost a big bucket minutes of CPU): a start
     within a day of the last purge only compacts."""
