@@ -221,9 +221,10 @@ class KVStoreTier(SecondaryTierManager):
         if found is _PENDING:
             position = req_context.get_offload_key_position(key)
             # Probed as one batch at the end of the step, per request and group in lookup order.
-            if self._needs_probe(chunk):
+            probed = not self._needs_probe(chunk)
+            if not probed:
                 self._unprobed.append(UnknownChunk(req_context.req_id, key[-4:], position, chunk))
-            if self._unheld_tail.answer_at_once(req_context, position):
+            if self._unheld_tail.answer_at_once(req_context, position, probed=probed):
                 self._tail_not_waited.inc()
                 return _LOOKUP_MISS
             return _RETRY

@@ -9,9 +9,11 @@ is recomputing them, when another node served the previous turn and the bucket h
 about them in the background, so a request held anyway (its history is being promoted) finds them when vLLM
 looks again.
 
-A chunk is answered at once only when every chunk before it is held: it is not the request's first chunk
-(vLLM asks the tier from the first chunk it does not hold), and no earlier chunk of the request was answered
-RETRY in this step. A new node with the whole history in the bucket therefore waits for the probe as before.
+A chunk is answered at once only when every chunk before it is held and nobody has asked about it yet: it is
+not the request's first chunk (vLLM asks the tier from the first chunk it does not hold), no earlier chunk of
+the request was answered RETRY in this step, and the probe is not already asking about it. A new node with
+the whole history in the bucket therefore waits for the probe as before, also in the steps where its answers
+have come back for the beginning but not yet for the tail.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ class UnheldTail:
         self._retried: dict[str, int] = {}  # request -> first position answered RETRY in this step
         self._lengths: dict[str, tuple[int, int]] = {}  # request -> (keys recorded, end of its last chunk)
 
-    def answer_at_once(self, request: Any, position: int | None) -> bool:
+    def answer_at_once(self, request: Any, position: int | None, *, probed: bool) -> bool:
         """Whether the unknown chunk ending at ``position`` of ``request`` (vLLM's ReqContext) is a miss now;
-        False means the caller answers RETRY, which this records for the rest of the step."""
+        False means the caller answers RETRY, which this records for the rest of the step. A chunk the probe
+        is already asking about (``probed``) is waited for: the request waits for its beginning's answers as
+        they come in (a new node fetching the whole request), and must not stop at the first one not back."""
         req_id: str = request.req_id
-        if self._tail_tokens and position is not None and position > self._chunk_tokens:
+        if not probed and self._tail_tokens and position is not None and position > self._chunk_tokens:
             retried = self._retried.get(req_id)
             if retried is None or retried > position:
                 end = self._request_end(request)
