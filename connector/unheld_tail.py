@@ -40,17 +40,17 @@ class UnheldTail:
         False means the caller answers RETRY, which this records for the rest of the step. A chunk the probe
         is already asking about (``probed``) is waited for: the request waits for its beginning's answers as
         they come in (a new node fetching the whole request), and must not stop at the first one not back."""
+        if not self._tail_tokens:
+            return False
         req_id: str = request.req_id
-        if not probed and self._tail_tokens and position is not None and position > self._chunk_tokens:
-            retried = self._retried.get(req_id)
-            if retried is None or retried > position:
-                end = self._request_end(request)
-                if end is not None and position > end - self._tail_tokens:
-                    return True
-        if position is None:
-            position = -1
-        if self._retried.get(req_id, position + 1) > position:
-            self._retried[req_id] = position
+        retried = self._retried.get(req_id)
+        held_before = retried is None or (position is not None and retried > position)
+        if not probed and held_before and position is not None and position > self._chunk_tokens:
+            end = self._request_end(request)
+            if end is not None and position > end - self._tail_tokens:
+                return True
+        at = -1 if position is None else position
+        self._retried[req_id] = at if retried is None else min(retried, at)
         return False
 
     def end_of_step(self) -> None:

@@ -1,9 +1,9 @@
 """Idle CPU and I/O priority for background work: the node agent, the embedded S3 server's maintenance.
 
 Work nobody waits on takes only what the engines leave: SCHED_IDLE runs a thread only when no other wants
-the CPU, and the idle I/O class uses the disk only when nothing else does. Both are inherited by threads and
-processes started later (across exec too), so a child set up with `lower_priority` in its `preexec_fn` runs
-its whole life at idle priority.
+the CPU, and the idle I/O class uses the disk only when nothing else does. Both are inherited by threads
+and processes started later (across exec too), so a child set up with `lower_child_priority` in its
+`preexec_fn` runs its whole life at idle priority.
 """
 
 from __future__ import annotations
