@@ -206,6 +206,9 @@ class DataPathSettings(_Group):
 
     codec: Codec = Codec.NONE  # "none" or "zstd" in the environment and files
     upload_workers: int = 8
+    # While the engines leave no CPU core idle, a stored chunk's upload waits up to this long (a burst's
+    # uploads then cost it nothing; see `kvstore.agent.cpu_room`); the bucket has it that much later. 0: off.
+    upload_hold_s: float = 10.0
     io_workers: int = 16
     # Threads that read and write NVMe chunk files (O_DIRECT); device queue depth comes from these.
     disk_workers: int = 8

@@ -115,6 +115,11 @@ class EngineMetrics:
         self.upload_retries = Counter(
             "kvstore:upload_retries", "Uploads deferred after a failed PUT (retried later)", registry=registry
         )
+        self.upload_held_seconds = Counter(
+            "kvstore:upload_held_seconds",
+            "Seconds uploads waited because the engines left no CPU core idle (`upload_hold_s`)",
+            registry=registry,
+        )
         self.upload_backlog_chunks = Gauge(
             "kvstore:upload_backlog_chunks",
             "Chunks on NVMe waiting for upload (node-wide)",

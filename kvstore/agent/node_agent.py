@@ -69,6 +69,7 @@ class NodeAgent:
         metrics: EngineMetrics,
         threads: EngineThreads,
         outage_cooldown_s: float = 5.0,
+        upload_hold_s: float = 0.0,
         pin_sync_s: float = 60.0,
         access_flush_s: float = 60.0,
         exit_when_idle_s: float | None = None,
@@ -82,12 +83,14 @@ class NodeAgent:
         holding the GIL would stall them). ``publish_counters``: add ``metrics``' growth to the node's
         counters (off when the host process publishes that registry itself). ``exit_when_idle_s``: stop once
         no engine has used the cache that long and nothing waits (an agent an engine started).
-        ``store_identity``: the store it serves, in its status file (engines of another store are refused)."""
+        ``store_identity``: the store it serves, in its status file (engines of another store are refused).
+        ``upload_hold_s``: how long an upload may wait for the engines to leave a core idle (`Uploader`)."""
         self.cache = cache
         self.store = store
         self.metrics = metrics
         self._threads = threads
         self._cooldown = outage_cooldown_s
+        self._upload_hold_s = upload_hold_s
         self._pin_sync_s = pin_sync_s
         self._access_flush_s = access_flush_s
         self._exit_when_idle = exit_when_idle_s
@@ -149,6 +152,7 @@ class NodeAgent:
             metrics=metrics,
             threads=threads,
             outage_cooldown_s=settings.outage_cooldown_s,
+            upload_hold_s=settings.upload_hold_s,
             pin_sync_s=settings.pin_sync_s,
             **options,
         )
@@ -197,7 +201,13 @@ class NodeAgent:
         if self.store is not None:
             breaker = Breaker(self._cooldown, self.metrics, self._clock)
             work.uploader = Uploader(
-                self.cache, self.store, breaker, self.metrics, self._threads, cooldown_s=self._cooldown
+                self.cache,
+                self.store,
+                breaker,
+                self.metrics,
+                self._threads,
+                cooldown_s=self._cooldown,
+                hold_s=self._upload_hold_s,
             )
             work.services = [_service("kvstore-uploads", work.uploader.run)]
             work.access = AccessRecorder(self.store, interval_s=self._access_flush_s)

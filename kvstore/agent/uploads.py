@@ -6,10 +6,13 @@ rejecting writes, or when a process dies; the node agent picks up where it, or i
 loop claims a batch (a lease in the index by the node's boot clock: a claim whose holder died is taken over at
 once, one whose holder hung expires), PUTs it from the NVMe files on the upload threads, and records the
 outcome in one transaction, which also tells the node's engines (the change log). The agent runs at idle
-priority, so uploads take only what the engines leave of the CPU and the disk. Memory for uploads is one
-chunk per upload thread. A failed PUT opens the breaker and leaves the chunk in the journal, to be retried
-after the cooldown; a chunk that left the cache before its upload is counted once for the node, by the
-transaction that settles it (``kvstore:uploads_lost`` here, the index's ``uploads_lost`` node-wide).
+priority, so uploads take only what the engines leave of the CPU and the disk; and with ``hold_s``, while the
+engines leave no core idle (`CpuRoom`), uploads wait, no chunk longer than ``hold_s`` after it was stored: a
+burst's uploads come after it, and a node busy for longer uploads each chunk ``hold_s`` late. Memory for
+uploads is one chunk per upload thread. A failed PUT opens the breaker and leaves the chunk in the journal,
+to be retried after the cooldown; a chunk that left the cache before its upload is counted once for the
+node, by the transaction that settles it (``kvstore:uploads_lost`` here, the index's ``uploads_lost``
+node-wide).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import logging
 import threading
 import time
 
+from kvstore.agent.cpu_room import CpuRoom
 from kvstore.cache import CachedChunk, NVMeCache
 from kvstore.engine import io
 from kvstore.engine.bad_chunks import count_removals, nvme_copy_corrupt
@@ -34,6 +38,8 @@ _CLAIM = 64  # chunks per claim: one index transaction claims them, one records 
 _LEASE_S = 120.0  # a claim older than this is taken over (its process hung; a dead one's at once)
 _IDLE_WAIT_S = 0.5
 _UNREADABLE_RETRY_S = 3600.0
+# How long each look at the CPUs lasts: /proc/stat counts in 10 ms ticks, 20 per CPU in this window.
+_ROOM_WINDOW_S = 0.1
 
 
 class _Outcome(enum.Enum):
@@ -54,13 +60,18 @@ class Uploader:
         threads: EngineThreads,
         *,
         cooldown_s: float,
+        hold_s: float = 0.0,
+        room: CpuRoom | None = None,
     ) -> None:
+        """``hold_s``: how long a stored chunk's upload may wait for room on the CPUs (0: never waits)."""
         self._cache = cache
         self._store = store
         self._breaker = breaker
         self._metrics = metrics
         self._threads = threads
         self._cooldown = cooldown_s
+        self._hold_ns = int(hold_s * 1e9)
+        self._room = room or CpuRoom()
         self._wake = threading.Event()
         self._stopping = threading.Event()
 
@@ -76,6 +87,8 @@ class Uploader:
         """The upload loop (one service thread); returns after ``stop``."""
         while not self._stopping.is_set():
             try:
+                if self._hold_ns:
+                    self._wait_for_room()
                 worked = self._round()
             except CacheClosed:
                 return  # shut down under us
@@ -88,6 +101,18 @@ class Uploader:
             if not worked:
                 self._wake.wait(_IDLE_WAIT_S)
                 self._wake.clear()
+
+    def _wait_for_room(self) -> None:
+        """Return once the engines leave a core idle, the oldest waiting chunk has waited ``hold_s``, or
+        nothing waits."""
+        while not self._stopping.is_set():
+            backlog = self._cache.backlog()
+            if not backlog.chunks or time.time_ns() - backlog.oldest_queued_ns >= self._hold_ns:
+                return
+            began = time.monotonic()
+            if self._room.has_room(_ROOM_WINDOW_S, self._stopping):
+                return
+            self._metrics.upload_held_seconds.inc(time.monotonic() - began)
 
     def _round(self) -> bool:
         if not self._breaker.available():

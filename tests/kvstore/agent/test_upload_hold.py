@@ -1,0 +1,110 @@
+"""The uploader's hold (`upload_hold_s`): while the engines leave no core idle, stored chunks wait for the
+bucket, none longer than the hold; with room, they go at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvstore.agent.cpu_room import CpuRoom
+from kvstore.agent.uploads import Uploader
+from kvstore.cache import NVMeCache
+from kvstore.engine import TieredStore
+from kvstore.engine.breaker import Breaker
+from kvstore.engine.threads import EngineThreads
+from kvstore.metrics import EngineMetrics
+from kvstore.stores import ObjectStore
+from tests.engine_helpers import keys, payload
+from tests.helpers import sample, wait_for
+
+pytestmark = pytest.mark.integration
+
+MakeEngine = Callable[..., TieredStore]
+
+
+class SetRoom(CpuRoom):
+    """The CPUs' answer, set by the test (`CpuRoom`'s reading of /proc/stat has tests of its own)."""
+
+    def __init__(self, room: bool) -> None:
+        super().__init__(cpus={0, 1})
+        self.room = room
+        self.looks = 0
+
+    def has_room(self, window_s: float, stopping: threading.Event) -> bool:
+        self.looks += 1
+        stopping.wait(window_s)
+        return self.room
+
+
+@pytest.fixture
+def run_uploader() -> Iterator[Callable[..., Uploader]]:
+    running: list[tuple[Uploader, threading.Thread, EngineThreads]] = []
+
+    def run(cache: NVMeCache, store: ObjectStore, metrics: EngineMetrics, **hold: object) -> Uploader:
+        threads = EngineThreads(io_workers=2, disk_workers=2, upload_workers=2)
+        uploader = Uploader(
+            cache, store, Breaker(1.0, metrics, time.monotonic), metrics, threads, cooldown_s=1.0, **hold
+        )
+        thread = threading.Thread(target=uploader.run, daemon=True)
+        thread.start()
+        running.append((uploader, thread, threads))
+        return uploader
+
+    yield run
+    for uploader, thread, threads in running:
+        uploader.stop()
+        thread.join(10)
+        threads.join(10)
+
+
+def _stored(engine: TieredStore, names: list[str]) -> None:
+    for i, name in enumerate(names):
+        assert engine.store_many([(name, payload(i))]).written == 1
+
+
+def test_with_no_room_uploads_wait_then_go_when_the_cpus_have_room(
+    tmp_path: Path, s3_store: ObjectStore, make_engine: MakeEngine, run_uploader: Callable[..., Uploader]
+) -> None:
+    metrics = EngineMetrics(CollectorRegistry())
+    room = SetRoom(False)
+    with NVMeCache(tmp_path / "nvme", 1 << 30) as cache:
+        names = keys(4, "held")
+        _stored(make_engine(s3_store, cache, metrics), names)
+        run_uploader(cache, s3_store, metrics, hold_s=600.0, room=room)
+        wait_for(lambda: room.looks >= 5, what="the uploader to look at the CPUs")
+        assert cache.backlog().chunks == 4 and not any(s3_store.exists_many(names))
+        assert sample(metrics, "kvstore:upload_held_seconds_total") > 0
+        room.room = True
+        wait_for(lambda: all(s3_store.exists_many(names)), timeout=20, what="the uploads once there is room")
+
+
+def test_no_chunk_waits_longer_than_the_hold(
+    tmp_path: Path, s3_store: ObjectStore, make_engine: MakeEngine, run_uploader: Callable[..., Uploader]
+) -> None:
+    """The CPUs never have room: each chunk still reaches the bucket once it has waited `hold_s`."""
+    metrics = EngineMetrics(CollectorRegistry())
+    with NVMeCache(tmp_path / "nvme", 1 << 30) as cache:
+        names = keys(4, "overdue")
+        stored_at = time.monotonic()
+        _stored(make_engine(s3_store, cache, metrics), names)
+        run_uploader(cache, s3_store, metrics, hold_s=1.0, room=SetRoom(False))
+        wait_for(lambda: all(s3_store.exists_many(names)), timeout=20, what="the overdue uploads")
+        assert time.monotonic() - stored_at >= 1.0
+
+
+def test_without_a_hold_the_cpus_are_never_asked(
+    tmp_path: Path, s3_store: ObjectStore, make_engine: MakeEngine, run_uploader: Callable[..., Uploader]
+) -> None:
+    metrics = EngineMetrics(CollectorRegistry())
+    room = SetRoom(False)
+    with NVMeCache(tmp_path / "nvme", 1 << 30) as cache:
+        names = keys(3, "unheld")
+        _stored(make_engine(s3_store, cache, metrics), names)
+        run_uploader(cache, s3_store, metrics, room=room)
+        wait_for(lambda: all(s3_store.exists_many(names)), timeout=20, what="the uploads")
+        assert room.looks == 0
