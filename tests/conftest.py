@@ -243,6 +243,9 @@ def _unlinked_modules() -> list[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The suite's node agents upload at once (`upload_hold_s` has tests of its own): tests wait on uploads
+    # with short deadlines while other workers keep the CPUs busy, which would hold the uploads.
+    os.environ.setdefault("KVSTORE_UPLOAD_HOLD_S", "0")
     if unlinked := _unlinked_modules():
         raise pytest.UsageError(
             f"{', '.join(unlinked)}: not in the editable install yet (new modules are linked at install "

@@ -7,8 +7,9 @@ loop claims a batch (a lease in the index by the node's boot clock: a claim whos
 once, one whose holder hung expires), PUTs it from the NVMe files on the upload threads, and records the
 outcome in one transaction, which also tells the node's engines (the change log). The agent runs at idle
 priority, so uploads take only what the engines leave of the CPU and the disk; and with ``hold_s``, while the
-engines leave no core idle (`CpuRoom`), uploads wait, no chunk longer than ``hold_s`` after it was stored: a
-burst's uploads come after it, and a node busy for longer uploads each chunk ``hold_s`` late. Memory for
+engines leave no core idle (`CpuRoom`), uploads wait, no chunk longer than ``hold_s`` after it was stored and
+never while a quarter of the cache waits: a burst's uploads come after it, and a node busy for longer uploads
+each chunk ``hold_s`` late. Memory for
 uploads is one chunk per upload thread. A failed PUT opens the breaker and leaves the chunk in the journal,
 to be retried after the cooldown; a chunk that left the cache before its upload is counted once for the
 node, by the transaction that settles it (``kvstore:uploads_lost`` here, the index's ``uploads_lost``
@@ -103,11 +104,16 @@ class Uploader:
                 self._wake.clear()
 
     def _wait_for_room(self) -> None:
-        """Return once the engines leave a core idle, the oldest waiting chunk has waited ``hold_s``, or
+        """Return once the engines leave a core idle, the oldest waiting chunk has waited ``hold_s``, a
+        quarter of the cache waits (more, and eviction would take chunks the bucket does not have yet), or
         nothing waits."""
         while not self._stopping.is_set():
             backlog = self._cache.backlog()
-            if not backlog.chunks or time.time_ns() - backlog.oldest_queued_ns >= self._hold_ns:
+            if (
+                not backlog.chunks
+                or time.time_ns() - backlog.oldest_queued_ns >= self._hold_ns
+                or backlog.bytes * 4 >= self._cache.effective_budget()
+            ):
                 return
             began = time.monotonic()
             if self._room.has_room(_ROOM_WINDOW_S, self._stopping):

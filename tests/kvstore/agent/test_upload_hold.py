@@ -14,12 +14,13 @@ from prometheus_client import CollectorRegistry
 from kvstore.agent.cpu_room import CpuRoom
 from kvstore.agent.uploads import Uploader
 from kvstore.cache import NVMeCache
+from kvstore.chunk import HEADER_BLOCK
 from kvstore.engine import TieredStore
 from kvstore.engine.breaker import Breaker
 from kvstore.engine.threads import EngineThreads
 from kvstore.metrics import EngineMetrics
 from kvstore.stores import ObjectStore
-from tests.engine_helpers import keys, payload
+from tests.engine_helpers import CHUNK, keys, payload
 from tests.helpers import sample, wait_for
 
 pytestmark = pytest.mark.integration
@@ -95,6 +96,18 @@ def test_no_chunk_waits_longer_than_the_hold(
         run_uploader(cache, s3_store, metrics, hold_s=1.0, room=SetRoom(False))
         wait_for(lambda: all(s3_store.exists_many(names)), timeout=20, what="the overdue uploads")
         assert time.monotonic() - stored_at >= 1.0
+
+
+def test_a_quarter_of_the_cache_waiting_is_uploaded_without_room(
+    tmp_path: Path, s3_store: ObjectStore, make_engine: MakeEngine, run_uploader: Callable[..., Uploader]
+) -> None:
+    """Held longer, the journal would fill the cache, and eviction take chunks the bucket lacks."""
+    metrics = EngineMetrics(CollectorRegistry())
+    with NVMeCache(tmp_path / "nvme", budget_bytes=8 * (CHUNK + HEADER_BLOCK)) as cache:
+        names = keys(2, "quarter")
+        _stored(make_engine(s3_store, cache, metrics), names)
+        run_uploader(cache, s3_store, metrics, hold_s=600.0, room=SetRoom(False))
+        wait_for(lambda: all(s3_store.exists_many(names)), timeout=20, what="the uploads of a quarter")
 
 
 def test_without_a_hold_the_cpus_are_never_asked(
