@@ -208,7 +208,9 @@ class DataPathSettings(_Group):
     upload_workers: int = 8
     # While the engines leave no CPU core idle, a stored chunk's upload waits up to this long (a burst's
     # uploads then cost it nothing; see `kvstore.agent.cpu_room`); the bucket has it that much later. 0: off.
-    upload_hold_s: float = 10.0
+    # None: on (`kvstore.agent.uploads.OWN_SERVER_HOLD_S`) with the node's own embedded server, whose bucket
+    # no other node reads; off with a store other nodes share, where a chunk late is a chunk recomputed.
+    upload_hold_s: float | None = None
     io_workers: int = 16
     # Threads that read and write NVMe chunk files (O_DIRECT); device queue depth comes from these.
     disk_workers: int = 8

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.agent.supervisor import agent_status, stop_agent
-from kvstore.agent.uploads import wait_uploaded
+from kvstore.agent.uploads import OWN_SERVER_HOLD_S, wait_uploaded
 from kvstore.cache import NVMeCache
 from kvstore.connector.bench.outputs import figure, json_and_png
 from kvstore.connector.bench.target import StoreTarget
@@ -313,6 +313,10 @@ def _method_config(
     if method == "cpu+ours-file":
         return sizing.tiering_config({**ours, "store_url": (root / "file-store").as_uri()}), {}
     assert store is not None
+    if store.own_server:
+        # The node's own embedded server, named by URL for a prefix of this run's: it runs as it would
+        # unnamed, its uploads held while the engines are busy (no other node reads its bucket).
+        ours.setdefault("upload_hold_s", OWN_SERVER_HOLD_S)
     ours["store_url"] = f"{store.store_url.rstrip('/')}/multiturn-{time.time_ns()}"
     if store.endpoint:
         ours["s3_endpoint"] = store.endpoint

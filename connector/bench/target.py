@@ -31,6 +31,9 @@ class StoreTarget:
     access_key: str = ""
     secret_key: str = ""
     metrics_url: str | None = None  # a local SeaweedFS's counters: the S3 requests a run made
+    # The node's own embedded server (what a node with no endpoint configured runs), not a store standing for
+    # one that other nodes share.
+    own_server: bool = False
 
     @property
     def is_s3(self) -> bool:
@@ -91,6 +94,7 @@ def bench_target(settings: Settings, name: str) -> Iterator[StoreTarget]:
                 server.access_key,
                 server.secret_key,
                 server.metrics_url,
+                own_server=True,
             )
         else:
             yield StoreTarget(

@@ -31,7 +31,7 @@ from kvstore.access import AccessRecorder
 from kvstore.agent.eviction import Evictor
 from kvstore.agent.inbox import HintInbox
 from kvstore.agent.supervisor import lower_priority
-from kvstore.agent.uploads import Uploader
+from kvstore.agent.uploads import Uploader, upload_hold_of
 from kvstore.cache import NVMeCache
 from kvstore.config import Settings
 from kvstore.engine.bad_chunks import count_removals
@@ -152,7 +152,7 @@ class NodeAgent:
             metrics=metrics,
             threads=threads,
             outage_cooldown_s=settings.outage_cooldown_s,
-            upload_hold_s=settings.upload_hold_s,
+            upload_hold_s=upload_hold_of(settings),
             pin_sync_s=settings.pin_sync_s,
             **options,
         )

@@ -25,6 +25,7 @@ import time
 
 from kvstore.agent.cpu_room import CpuRoom
 from kvstore.cache import CachedChunk, NVMeCache
+from kvstore.config import DataPathSettings
 from kvstore.engine import io
 from kvstore.engine.bad_chunks import count_removals, nvme_copy_corrupt
 from kvstore.engine.breaker import Breaker
@@ -39,6 +40,9 @@ _CLAIM = 64  # chunks per claim: one index transaction claims them, one records 
 _LEASE_S = 120.0  # a claim older than this is taken over (its process hung; a dead one's at once)
 _IDLE_WAIT_S = 0.5
 _UNREADABLE_RETRY_S = 3600.0
+# The hold with the node's own embedded server: nothing but this node reads its bucket, so a late upload costs
+# nothing; the quarter-of-the-cache rule bounds what waits.
+OWN_SERVER_HOLD_S = 60.0
 # How long each look at the CPUs lasts: /proc/stat counts in 10 ms ticks, 20 per CPU in this window.
 _ROOM_WINDOW_S = 0.1
 
@@ -168,6 +172,13 @@ class Uploader:
         self._metrics.write_seconds.labels("object").observe(time.perf_counter() - start)
         self._metrics.write_bytes.labels("object").inc(sent)
         return _Outcome.UPLOADED
+
+
+def upload_hold_of(settings: DataPathSettings) -> float:
+    """The setting `upload_hold_s`, or its default for the node's store."""
+    if settings.upload_hold_s is not None:
+        return settings.upload_hold_s
+    return 0.0 if settings.store_url else OWN_SERVER_HOLD_S
 
 
 def wait_uploaded(cache: NVMeCache, timeout_s: float) -> bool:

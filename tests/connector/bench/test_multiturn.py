@@ -91,3 +91,26 @@ def test_sweep_point_beyond_the_cpu_tier(
     assert {p["method"] for p in saved["points"]} == {"cpu+obj", "cpu+ours"}
     assert saved["points"][0]["s3_requests"]
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_on_the_nodes_own_server_uploads_are_held_as_a_node_holds_them(
+    small_sizing: Sizing, store_target: StoreTarget, tmp_path: Path
+) -> None:
+    """The benchmark names the embedded server by URL (for a prefix of its own), which would turn the hold
+    off: it sets what the node would run with, unless told otherwise; a server standing for shared S3 gets
+    none."""
+    from dataclasses import replace
+
+    from kvstore.agent.uploads import OWN_SERVER_HOLD_S
+    from kvstore.connector.bench.multiturn import _method_config
+
+    def entry(target: StoreTarget, options: dict[str, Any]) -> dict[str, Any]:
+        config, _env = _method_config("cpu+ours", small_sizing, target, tmp_path, options)
+        assert config is not None
+        tiers = config["kv_connector_extra_config"]["secondary_tiers"]
+        return next(t for t in tiers if t["type"] == "KVStoreTier")
+
+    own = replace(store_target, own_server=True)
+    assert entry(own, {})["upload_hold_s"] == OWN_SERVER_HOLD_S
+    assert entry(own, {"upload_hold_s": 0})["upload_hold_s"] == 0
+    assert "upload_hold_s" not in entry(store_target, {})

@@ -12,9 +12,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvstore.agent.cpu_room import CpuRoom
-from kvstore.agent.uploads import Uploader
+from kvstore.agent.uploads import OWN_SERVER_HOLD_S, Uploader, upload_hold_of
 from kvstore.cache import NVMeCache
 from kvstore.chunk import HEADER_BLOCK
+from kvstore.config import DataPathSettings
 from kvstore.engine import TieredStore
 from kvstore.engine.breaker import Breaker
 from kvstore.engine.threads import EngineThreads
@@ -121,3 +122,11 @@ def test_without_a_hold_the_cpus_are_never_asked(
         run_uploader(cache, s3_store, metrics, room=room)
         wait_for(lambda: all(s3_store.exists_many(names)), timeout=20, what="the uploads")
         assert room.looks == 0
+
+
+def test_by_default_only_uploads_to_the_nodes_own_server_are_held() -> None:
+    """Another node may want a chunk of a shared bucket at once; no other node reads its own server."""
+    assert upload_hold_of(DataPathSettings()) == OWN_SERVER_HOLD_S > 0
+    assert upload_hold_of(DataPathSettings(store_url="s3://shared/kv")) == 0
+    assert upload_hold_of(DataPathSettings(store_url="s3://shared/kv", upload_hold_s=5.0)) == 5.0
+    assert upload_hold_of(DataPathSettings(upload_hold_s=0.0)) == 0
