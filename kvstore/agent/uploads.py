@@ -9,11 +9,10 @@ outcome in one transaction, which also tells the node's engines (the change log)
 priority, so uploads take only what the engines leave of the CPU and the disk; and with ``hold_s``, while the
 engines leave no core idle (`CpuRoom`), uploads wait, no chunk longer than ``hold_s`` after it was stored and
 never while a quarter of the cache waits: a burst's uploads come after it, and a node busy for longer uploads
-each chunk ``hold_s`` late. Memory for
-uploads is one chunk per upload thread. A failed PUT opens the breaker and leaves the chunk in the journal,
-to be retried after the cooldown; a chunk that left the cache before its upload is counted once for the
-node, by the transaction that settles it (``kvstore:uploads_lost`` here, the index's ``uploads_lost``
-node-wide).
+each chunk ``hold_s`` late. Memory for uploads is one chunk per upload thread. A failed PUT opens the breaker
+and leaves the chunk in the journal, to be retried after the cooldown; a chunk that left the cache before its
+upload is counted once for the node, by the transaction that settles it (``kvstore:uploads_lost`` here, the
+index's ``uploads_lost`` node-wide).
 """
 
 from __future__ import annotations
