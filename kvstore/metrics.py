@@ -115,6 +115,11 @@ class EngineMetrics:
         self.upload_retries = Counter(
             "kvstore:upload_retries", "Uploads deferred after a failed PUT (retried later)", registry=registry
         )
+        self.admissions_skipped = Counter(
+            "kvstore:admissions_skipped",
+            "Object hits not written to NVMe: the cache evicts chunks used under a minute ago",
+            registry=registry,
+        )
         self.upload_held_seconds = Counter(
             "kvstore:upload_held_seconds",
             "Seconds uploads waited because the engines left no CPU core idle (`upload_hold_s`)",

@@ -365,6 +365,13 @@ class CacheIndex:
         self._log(txn, s, kind, [(key.encode(), not entry.pending_upload) for key, entry in dropped])
 
     @translate
+    def oldest_access_ns(self) -> int | None:
+        """When the entry eviction would take first was last used (None: nothing is evictable)."""
+        s = self._db()
+        with s.env.begin() as txn:
+            return lru.oldest_access_ns(txn, s)
+
+    @translate
     def backlog(self) -> Backlog:
         """What waits for upload: counters, and the age of the oldest record."""
         s = self._db()

@@ -35,6 +35,12 @@ def lru_key(ts: int, key: bytes) -> bytes:
     return _TS.pack(ts) + key
 
 
+def oldest_access_ns(txn: Txn, s: Shared) -> int | None:
+    """When the least recently used evictable entry was last used (None: no such entry)."""
+    cursor = txn.cursor(db=s.lru)
+    return _TS.unpack(cursor.key()[:8])[0] if cursor.first() else None
+
+
 def add(txn: Txn, s: Shared, k: bytes, entry: Entry) -> None:
     """A new entry joins the LRU order, unless it is pinned."""
     if txn.get(k, db=s.pins) is None:

@@ -271,6 +271,14 @@ class NVMeCache:
         """Bytes the cache holds (one index read; ``usage`` also counts pinned entries)."""
         return self._index.used_bytes()
 
+    def keeps_for_s(self, incoming_bytes: int) -> float | None:
+        """How long this cache keeps a chunk now: the seconds since the chunk that ``incoming_bytes`` more
+        would evict first was last used; None when they fit without evicting anything."""
+        if self.used_bytes() + incoming_bytes <= self.effective_budget():
+            return None
+        oldest = self._index.oldest_access_ns()
+        return None if oldest is None else max(0.0, (time.time_ns() - oldest) / 1e9)
+
     def usage(self) -> CacheUsage:
         used, entries, pinned = self._index.counters()
         return CacheUsage(

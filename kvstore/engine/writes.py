@@ -30,6 +30,11 @@ from kvstore.errors import CacheError, CacheFull
 
 log = logging.getLogger(__name__)
 
+# Object hits are not admitted to a cache that evicts chunks used less than this long ago: such a cache cannot
+# keep them until their prompt returns, and writing them (and evicting for them) costs the engine's process.
+# Measured with a 64 MiB cache under bench multiturn: 7.4 CPU-s at 32 conversations admitting, 4.8 not.
+MIN_ADMIT_HORIZON_S = 60.0
+
 
 @dataclass(frozen=True)
 class StoreOutcome:
@@ -178,6 +183,11 @@ class Writer:
             for hit, here in zip(hits, cache.contains_many([h.key for h in hits]), strict=True)
             if not here
         ]
+        incoming = sum(memoryview(h.blob).nbytes for h in fresh if h.blob is not None)  # the files' sizes
+        horizon = cache.keeps_for_s(incoming) if fresh else None
+        if horizon is not None and horizon < MIN_ADMIT_HORIZON_S:
+            metrics.admissions_skipped.inc(len(fresh))
+            return 0
         staged = threads.map(threads.disk, threads.disk_workers, lambda h: io.write_fetched(cache, h), fresh)
         files = [s for s in staged if isinstance(s, StagedFile)]
         for error in (s for s in staged if isinstance(s, CacheError)):

@@ -823,3 +823,24 @@ def test_a_long_chain_is_answered_in_a_few_waves_not_chunk_by_chunk(
     wait_for(lambda: engine.probes_in_flight == 0, what="the probe")
     assert [engine.lookup_cached(k) for k in names] == [Presence.REMOTE] * 40
     assert sum(published) == 40 and len(published) <= 5
+
+
+def test_object_hits_are_not_admitted_to_a_cache_that_cannot_keep_them(
+    tmp_path: Path, metrics: EngineMetrics, make_engine: MakeEngine
+) -> None:
+    """A full cache whose least recently used chunk was used moments ago would evict each admitted hit long
+    before its prompt returns: the hits are served, and not written."""
+    store = MemoryStore()
+    remote = keys(2, "remote")
+    fill(store, remote, first=100)
+    with NVMeCache(tmp_path / "nvme", budget_bytes=4 * (CHUNK + HEADER_BLOCK)) as cache:
+        assert cache.keeps_for_s(CHUNK + HEADER_BLOCK) is None, "room: nothing would be evicted"
+        engine = make_engine(store, cache, metrics)
+        local = keys(4, "local")
+        engine.store_many([(k, payload(i)) for i, k in enumerate(local)])  # the whole budget, just used
+        horizon = cache.keeps_for_s(CHUNK + HEADER_BLOCK)
+        assert horizon is not None and 0 <= horizon < 60
+        assert load(engine, remote) == [payload(100), payload(101)]
+        engine.close()  # writes what its admission queued
+        assert not any(cache.contains_many(remote)) and all(cache.contains_many(local))
+        assert sample(metrics, "kvstore:admissions_skipped_total") == 2
