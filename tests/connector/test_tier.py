@@ -230,23 +230,32 @@ def test_corrupt_chunks_are_never_served(
         located = locate(cache, bad_nvme)
         assert located is not None
         Path(located.path).write_bytes(_flip_last_byte(Path(located.path).read_bytes()))
-        cache.discard(bad_object)  # force this one to come from the (corrupted) object
-    s3_store.put(bad_object, _flip_last_byte(s3_store.get(bad_object) or b""))
 
+    # One damaged copy per run: where the two chunks sit in the prompt follows from their hashes, and a chain
+    # stopped at the bad object would never reach the bad NVMe copy.
     warm = run_engine(
         tiny_model, [prompt], kv_transfer_config=cfg, env=creds(s3_server), max_tokens=16, kv_digests=True
     )
     assert warm.metric("vllm:kvstore_checksum_failures", tier="nvme") == 1, warm.log_tail
-    assert warm.metric("vllm:kvstore_checksum_failures", tier="object") == 1, warm.log_tail
-    # What the tier served is exactly the cold KV: the bad NVMe copy was replaced by the object, and the
-    # chain stops at the corrupt object (vLLM recomputes from there).
+    # What the tier served is exactly the cold KV: the bad NVMe copy was replaced by the object's.
     assert 0 < warm.results[0].num_cached_tokens < ref.prompt_len, warm.log_tail
     assert_same_kv(warm.results[0], ref, warm.log_tail)
-    # The bad copies are gone. The NVMe copy of `bad_nvme` came back from the object store; `bad_object` was
-    # recomputed and stored again, or is absent: whatever is there now verifies against its key.
     with NVMeCache(cache_dir, 1 << 30) as cache:
         good = verified_payload(s3_store, bad_nvme)
-        wait_for(lambda: read_chunk(cache, bad_nvme) == good, what="the node agent to admit the good copy")
+        wait_for(lambda: read_chunk(cache, bad_nvme) == good, what="the good copy to be admitted again")
+        cache.discard(bad_object)  # force this one to come from the (corrupted) object
+    s3_store.put(bad_object, _flip_last_byte(s3_store.get(bad_object) or b""))
+
+    again = run_engine(
+        tiny_model, [prompt], kv_transfer_config=cfg, env=creds(s3_server), max_tokens=16, kv_digests=True
+    )
+    assert again.metric("vllm:kvstore_checksum_failures", tier="object") == 1, again.log_tail
+    # The chain stops at the corrupt object (vLLM recomputes from there): the KV is still the cold one.
+    assert again.results[0].num_cached_tokens < ref.prompt_len, again.log_tail
+    assert_same_kv(again.results[0], ref, again.log_tail)
+    # The bad object is gone: `bad_object` was recomputed and stored again, or is absent; whatever is there
+    # now verifies against its key.
+    with NVMeCache(cache_dir, 1 << 30) as cache:
         located = locate(cache, bad_object)
         if located is not None:
             verify(bad_object, Path(located.path).read_bytes())
