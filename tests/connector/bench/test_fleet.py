@@ -109,7 +109,8 @@ def _every_method_once(
         assert m.requests == REQUESTS and sum(n.requests for n in m.nodes) == REQUESTS
         assert m.prompt_tokens > REQUESTS * 512
         assert m.prompt_tokens_per_s > 0 and m.requests_per_s > 0
-        assert 0 < m.ttft_mean_s <= m.ttft_p90_s < m.wall_s
+        # Not mean <= p90: one slow request among a few lifts the mean above it.
+        assert 0 < m.ttft_mean_s < m.wall_s and 0 < m.ttft_p90_s < m.wall_s
         assert len(m.ttft_by_turn_s) == TURNS and all(t > 0 for t in m.ttft_by_turn_s)
         assert set(m.token_share) == set(SHARES)
         assert abs(sum(m.token_share.values()) - 1.0) < 1e-6
