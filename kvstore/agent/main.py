@@ -13,10 +13,10 @@ from prometheus_client import REGISTRY, start_http_server
 
 from kvstore.agent.embedded_store import FollowedStore
 from kvstore.agent.node_agent import AgentAlreadyRunning, NodeAgent
-from kvstore.agent.supervisor import lower_priority
 from kvstore.config import Settings
 from kvstore.metrics import EngineMetrics
 from kvstore.node.engines import StoreMismatch, check_agreement, store_identity
+from kvstore.priority import lower_priority
 from kvstore.runtime import open_cache, open_object_store
 from kvstore.stores import ObjectStore
 

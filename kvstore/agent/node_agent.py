@@ -12,7 +12,7 @@ pin sync        makes the node's pins follow the bucket's manifests
 change log      trims the log the engines read their KV events from
 ==============  ===========================================================================================
 
-It runs at idle CPU and I/O priority (``supervisor.lower_priority``) in a process of its own (``kvstore
+It runs at idle CPU and I/O priority (``kvstore.priority``) in a process of its own (``kvstore
 agent``, or started by the first engine on the node), or hosted by another process (the admin service, a
 test). Engines reach it through hints (``link``); with it down they keep serving, and the journal waits.
 """
@@ -30,7 +30,6 @@ from typing import Any
 from kvstore.access import AccessRecorder
 from kvstore.agent.eviction import Evictor
 from kvstore.agent.inbox import HintInbox
-from kvstore.agent.supervisor import lower_priority
 from kvstore.agent.uploads import Uploader, upload_hold_of
 from kvstore.cache import NVMeCache
 from kvstore.config import Settings
@@ -44,6 +43,7 @@ from kvstore.node.agent_files import HEARTBEAT_S, AgentLock
 from kvstore.node.engines import live_engines
 from kvstore.node.hints import Hints
 from kvstore.pin_sync import PinSyncLoop
+from kvstore.priority import lower_priority
 from kvstore.stores import ObjectStore
 
 log = logging.getLogger(__name__)

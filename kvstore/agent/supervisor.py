@@ -1,6 +1,6 @@
-"""The node agent's process: its priority (`kvstore.priority`), how an engine starts it (detached, at idle
-priority) and how it is stopped. The lock, the status file and the engines' registration are the node's
-shared contract (`kvstore.node`), re-exported here for the tools that stop or report on an agent.
+"""The node agent's process: how an engine starts it (detached; it lowers its own priority, see
+`kvstore.priority`) and how it is stopped. The lock, the status file and the engines' registration are the
+node's shared contract (`kvstore.node`), re-exported here for the tools that stop or report on an agent.
 
 ``agent.log`` is what an agent started by an engine writes (it has no terminal).
 """
@@ -34,7 +34,6 @@ from kvstore.node.agent_files import (
     signal_agent,
 )
 from kvstore.node.private import PRIVATE_FILE, private_dir, tighten
-from kvstore.priority import lower_priority
 from kvstore.processes import start_time
 
 __all__ = [
@@ -45,7 +44,6 @@ __all__ = [
     "STATUS_NAME",
     "AgentStatus",
     "agent_status",
-    "lower_priority",
     "settings_payload",
     "spawn_agent",
     "stop_agent",
