@@ -244,6 +244,11 @@ class TieredStore:
     def probes_in_flight(self) -> int:
         return self._prober.in_flight
 
+    def wake_on_answers(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` (on the probe's threads, never blocking) whenever the probe has answered keys: a
+        scheduler idling until its lookups can be answered goes on at once, not at its next step."""
+        self._outcomes.on_answers = wake
+
     def end_of_step(self) -> None:
         """The scheduler's step is over (see `Prober.end_of_step`)."""
         self._prober.end_of_step()

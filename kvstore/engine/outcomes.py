@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.cache import Change, ChangeKind, NVMeCache
@@ -71,6 +71,9 @@ class Outcomes:
         self._answers = answers
         self._link = link
         self._events: deque[ChunkEvent] = deque(maxlen=_MAX_EVENTS)
+        # Called (on the probe's threads) once the probe has answered keys: a scheduler idling until it knows
+        # more can go on at once rather than at its next step.
+        self.on_answers: Callable[[], None] = _nothing
 
     # -- reads of the state (the scheduler's thread among others) ----------------------------------------
 
@@ -94,15 +97,19 @@ class Outcomes:
     def on_nvme(self, keys: Sequence[str]) -> None:
         for key in keys:
             self._answers.set(key, Presence.LOCAL)
+        if keys:
+            self.on_answers()
 
     def in_bucket(self, keys: Sequence[str]) -> None:
-        for key in keys:
-            if self._answers.get(key) is not Presence.LOCAL:
-                self._answers.set(key, Presence.REMOTE)
+        self._remote(keys)
+        if keys:
+            self.on_answers()
 
     def nowhere(self, keys: Sequence[str]) -> None:
         for key in keys:
             self._answers.set(key, Presence.MISS)
+        if keys:
+            self.on_answers()
 
     def not_usable(self, fetched: Fetched, *, loading: bool) -> None:
         """A GET that found no usable chunk. During a load, a chunk the probe had promised is a failure."""
@@ -113,6 +120,7 @@ class Outcomes:
             self.metrics.load_failures.labels("object").inc()
         # Last: whoever reads this answer finds the judgement done (the bad object gone, counted).
         self._answers.set(fetched.key, Presence.MISS)
+        self.on_answers()
 
     # -- loads -------------------------------------------------------------------------------------------
 
@@ -176,9 +184,18 @@ class Outcomes:
         """What any process on the node did to chunks: evictions and removals leave this node, finished
         uploads reach the bucket."""
         for change in changes:
-            if change.kind is ChangeKind.UPLOADED:
-                self.in_bucket([change.key])
+            if change.kind is ChangeKind.UPLOADED:  # news, not an answer anyone waits for
+                self._remote([change.key])
                 self._events.append(ChunkEvent(change.key, "object", removed=False))
             else:
                 self._answers.forget(change.key)
                 self._events.append(ChunkEvent(change.key, "nvme", True, last_copy=not change.uploaded))
+
+    def _remote(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            if self._answers.get(key) is not Presence.LOCAL:  # the node's own copy is the better answer
+                self._answers.set(key, Presence.REMOTE)
+
+
+def _nothing() -> None:
+    pass

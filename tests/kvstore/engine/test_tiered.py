@@ -102,6 +102,33 @@ def wait_answers(engine: TieredStore, names: Sequence[str]) -> list[Presence]:
     pytest.fail("probe never answered")
 
 
+def test_the_probe_wakes_a_waiting_scheduler_when_it_answers(
+    s3_store: ObjectStore,
+    cache: NVMeCache,
+    metrics: EngineMetrics,
+    make_engine: MakeEngine,
+    start_agent: StartAgent,
+) -> None:
+    """An idle vLLM step waits on the tier until it has news: the probe says when it answered, whatever the
+    answer (in the bucket, nowhere, on this node), and an upload's news in the change log does not wake it."""
+    names = keys(3, "wake")
+    fill(s3_store, names[:1])
+    engine = make_engine(s3_store, cache, metrics)
+    woken = threading.Event()
+    engine.wake_on_answers(woken.set)
+    other = make_engine(s3_store, cache, EngineMetrics(CollectorRegistry()))  # another process of the node
+    assert other.store_many([(names[2], payload(2))]).written == 1
+    for key, answer in ((names[0], Presence.REMOTE), (names[1], Presence.MISS), (names[2], Presence.LOCAL)):
+        woken.clear()
+        assert wait_answers(engine, [key]) == [answer]
+        assert woken.wait(5), f"no wake-up for {answer}"
+    start_agent(cache, s3_store)
+    wait_for(lambda: cache.backlog().chunks == 0, what="the agent's upload")
+    woken.clear()
+    engine.housekeeping()  # reads the node's change log now: the upload is news, not an answer
+    assert not woken.is_set()
+
+
 def test_probe_fetches_hits_so_the_load_needs_no_second_round(
     s3_store: ObjectStore, cache: NVMeCache, metrics: EngineMetrics, make_engine: MakeEngine
 ) -> None:
