@@ -4,7 +4,8 @@ While a request waits on the tier (its lookups answered RETRY) and nothing else 
 steps about once a millisecond: each step looks up every chunk of the waiting request again, runs an empty
 model step and sleeps 1 ms. On a new node's 47-chunk request that was 90 steps, half the engine process's CPU
 while its GETs ran on the same cores. On such an idle step, while its probe or jobs are out, the tier waits a
-little (`KVStoreTier.on_schedule_end`, ended early by a finished job): nothing runs that the wait could delay.
+little (`KVStoreTier.on_schedule_end`, ended early by a finished job or the probe's answers): nothing runs
+that the wait could delay.
 
 vLLM does not tell a tier whether the step scheduled anything. The connector's scheduler side is handed the
 step's `SchedulerOutput` (`KVConnectorBase_V1.build_connector_meta(scheduler_output)`) just before it calls

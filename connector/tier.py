@@ -146,14 +146,16 @@ class KVStoreTier(SecondaryTierManager):
         # More job threads only made them compete for the GIL with each other and with the scheduler thread
         # (four shared: 1.1-1.3 ms per paced step; one per kind: 0.43-0.48 ms); the engine's disk and io
         # threads give the I/O its parallelism.
-        self._job_finished = threading.Event()
+        # An idle step's wait ends when a job finishes or the probe answers keys: vLLM has news to act on.
+        self._news = threading.Event()
         self._jobs = JobThreads(
             self._run_loads,
             self._run_stores,
             workers_per_kind=opts.job_workers,
             batch_chunks=opts.job_batch_chunks,
-            on_finished=self._job_finished.set,
+            on_finished=self._news.set,
         )
+        self._engine.wake_on_answers(self._news.set)
         self._idle_wait_s = opts.idle_step_wait_s
         self._unprobed: list[UnknownChunk] = []
         self._tail_tokens = opts.probe_tail_tokens
@@ -254,11 +256,11 @@ class KVStoreTier(SecondaryTierManager):
             and step_scheduled_nothing()
         ):
             # vLLM idles until we answer: wait here rather than be asked about every chunk again a moment
-            # later. A finished job ends the wait (vLLM goes on with it); answers wait for the next step.
+            # later. A finished job or new answers end the wait: vLLM goes on with them at once.
             if self._timeline is not None:
                 self._timeline.mark(milestones.IDLE_WAIT)
-            self._job_finished.wait(self._idle_wait_s)
-        self._job_finished.clear()
+            self._news.wait(self._idle_wait_s)
+        self._news.clear()
 
     @override
     def has_pending_work(self) -> bool:

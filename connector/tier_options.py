@@ -21,7 +21,7 @@ from kvstore.runtime import AgentMode
 # Python's default GIL switch interval is 5 ms; while a request waits on the tier, this (see `TierOptions`).
 FAST_SWITCH_S = 0.00002
 # The longest a step that scheduled nothing waits for the tier (see `TierOptions`).
-IDLE_STEP_WAIT_S = 0.002
+IDLE_STEP_WAIT_S = 0.01
 # A request's last tokens not waited for if its beginning is held: a conversation's new turn (`TierOptions`).
 NO_WAIT_TAIL_TOKENS = 512
 

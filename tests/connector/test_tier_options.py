@@ -30,7 +30,7 @@ def test_defaults() -> None:
     assert parse_tier_options(BASE, cpu_spec=False).gil_switch_interval_s == 0.0
     assert (opts.job_workers, opts.job_batch_chunks, opts.agent) == (1, 256, "spawn")
     assert (opts.timeline_path, opts.probe_tail_tokens, opts.enable_kv_events) == (None, 0, False)
-    assert opts.idle_step_wait_s == IDLE_STEP_WAIT_S == 0.002
+    assert opts.idle_step_wait_s == IDLE_STEP_WAIT_S == 0.01
     assert opts.no_wait_tail_tokens == NO_WAIT_TAIL_TOKENS == 512
 
 
