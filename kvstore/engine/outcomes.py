@@ -71,8 +71,8 @@ class Outcomes:
         self._answers = answers
         self._link = link
         self._events: deque[ChunkEvent] = deque(maxlen=_MAX_EVENTS)
-        # Called (on the probe's threads) once the probe has answered keys: a scheduler idling until it knows
-        # more can go on at once rather than at its next step.
+        # Called once keys have answers (on the probe's threads, or a load's): a scheduler idling until it
+        # knows more can go on at once rather than at its next step.
         self.on_answers: Callable[[], None] = _nothing
 
     # -- reads of the state (the scheduler's thread among others) ----------------------------------------
