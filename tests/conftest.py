@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 import uuid
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -57,6 +58,11 @@ class S3Server:
         pid = self._own("freeze").pid
         assert pid is not None, "the server is not running"
         os.killpg(pid, signal.SIGSTOP if on else signal.SIGCONT)
+        if on:  # the signal is delivered, not yet acted on: a request sent at once could still be answered
+            deadline = time.monotonic() + 5
+            while not _group_stopped(pid):
+                assert time.monotonic() < deadline, "the server did not stop within 5 s"
+                time.sleep(0.005)
 
     def client(self) -> Minio:
         secure = self.endpoint.startswith("https://")
@@ -337,3 +343,20 @@ def connect_kv_subscriber() -> Iterator[Callable[[str], KVEventSubscriber]]:
     yield connect
     for subscriber in made:
         subscriber.close()
+
+
+def _group_stopped(pgid: int) -> bool:
+    """Whether every thread of every process in process group ``pgid`` is stopped (state T in /proc), or
+    dead: either answers nothing."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            tasks = [(task / "stat").read_text() for task in (proc / "task").iterdir()]
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if any(stat.rsplit(")", 1)[1].split()[0] not in ("T", "t", "Z", "X") for stat in tasks):
+            return False
+    return True

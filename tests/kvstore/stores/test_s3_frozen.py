@@ -73,8 +73,11 @@ def test_every_call_gives_up_within_its_deadline_on_a_frozen_server(
     # All at once, as the engine's threads would call: each one's own wait is what is measured.
     with ThreadPoolExecutor(len(calls)) as pool:
         waits = {name: pool.submit(_fails_within, call, bound) for name, (call, bound) in calls.items()}
-        for future in waits.values():
-            future.result()
+        for name, future in waits.items():
+            try:
+                future.result()
+            except BaseException as exc:  # pytest's own failures included: say which call it was
+                raise AssertionError(f"{name} on the frozen server: {exc}") from exc
     thaw()
     deadline = time.monotonic() + 30
     while True:  # the server resumes where it stopped; the store needs no reopening
