@@ -245,8 +245,9 @@ class TieredStore:
         return self._prober.in_flight
 
     def wake_on_answers(self, wake: Callable[[], None]) -> None:
-        """Call ``wake`` (on the probe's threads, never blocking) whenever the probe has answered keys: a
-        scheduler idling until its lookups can be answered goes on at once, not at its next step."""
+        """Call ``wake`` (on the probe's or a load's threads; it must not block) whenever keys have new
+        answers: a scheduler idling until its lookups can be answered goes on at once, not at its next
+        step."""
         self._outcomes.on_answers = wake
 
     def end_of_step(self) -> None:
