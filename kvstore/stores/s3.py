@@ -1,5 +1,6 @@
-"""An S3 store: the data path (GET, HEAD, PUT) through obstore (`s3_data.py`), the control path (buckets,
-listings, deletes) through the MinIO SDK; bounded timeouts and retries, errors translated at this edge.
+"""An S3 store: whole-object GETs through a lean client of its own (`s3_get.py`), the rest of the data path
+(HEAD, PUT, ranges) through obstore (`s3_data.py`), the control path (buckets, listings, deletes) through the
+MinIO SDK; bounded timeouts and retries, errors translated at this edge.
 
 Every request has a deadline, so a server that stops answering (frozen, overloaded, partitioned; it may still
 accept connections, the kernel does that for it) becomes `StoreUnavailable` in seconds, not minutes:
@@ -33,6 +34,7 @@ from typing_extensions import override
 from kvstore.errors import BucketNotFound, ConfigError, StoreAuthError, StoreError, StoreUnavailable
 from kvstore.stores.base import Buffer, Data, ObjectInfo, ObjectStore, check_range, validate_key
 from kvstore.stores.s3_data import AUTH_CODES, S3DataPath
+from kvstore.stores.s3_get import GetOptions, ObjectGetter, Unsupported
 
 __all__ = ["S3Options", "S3Store"]
 
@@ -178,6 +180,22 @@ class S3Store(ObjectStore):
             backoff_max=opts.backoff_max,
             deadline=opts.deadline,
         )
+        self._getter = ObjectGetter(
+            bucket,
+            endpoint=self._endpoint if endpoint else None,
+            access_key=access_key or None,
+            secret_key=secret_key or None,
+            session_token=session_token or None,
+            region=self._region,
+            options=GetOptions(
+                connect_timeout=opts.connect_timeout,
+                attempt_timeout=opts.connect_timeout + opts.read_timeout,
+                deadline=opts.deadline,
+                retries=opts.retries,
+                backoff=opts.backoff,
+                backoff_max=opts.backoff_max,
+            ),
+        )
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
@@ -246,15 +264,20 @@ class S3Store(ObjectStore):
         except (MinioException, urllib3.exceptions.HTTPError, OSError) as exc:
             self._raise(exc, what)
 
-    # -- reads and writes (obstore) --
+    # -- reads and writes --
 
     @override
     def get(self, key: str) -> bytes | None:
-        return self._data.get(self._name(key), f"GET {key!r}")
+        body = self.get_chunk(key)
+        return None if body is None else bytes(body)
 
     @override
     def get_chunk(self, key: str) -> Buffer | None:
-        return self._data.get_buffer(self._name(key), f"GET {key!r}")
+        name, what = self._name(key), f"GET {key!r}"
+        try:
+            return self._getter.get(name, what)
+        except Unsupported:  # an answer the lean client does not read: the general one does
+            return self._data.get_buffer(name, what)
 
     @override
     def get_range(self, key: str, start: int, length: int) -> bytes | None:
@@ -366,4 +389,5 @@ class S3Store(ObjectStore):
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+        self._getter.close()
         self._http.clear()
