@@ -11,7 +11,7 @@ Same disk, same chunks, same job shapes, interleaved rounds (the best round of e
   - the object path of a new node: chunks in the S3 store, an empty NVMe cache, timed from the first lookup
     to the last byte loaded, the tier driven the way vLLM's scheduler drives it (lookups every step until
     answered, one load job per step for what was answered); against raw parallel GETs of the same objects
-    with obstore and the same number of threads.
+    with the best S3 client here (the data path's own) and the same number of threads.
 Also the raw disk: an O_DIRECT `dd` write and read in the same run. Results are ratios within one run.
 
 This module runs the parts in that order and gathers their report: `disk` (the raw disk), `tiers_store_load`

@@ -119,7 +119,8 @@ def _print(report: TiersReport, codecs: list[CodecResult], rounds: int) -> None:
         console.print(objects)
         threads = table(
             "where the object path's CPU goes: us per chunk by thread (MainThread: the scheduler, which looks"
-            " up every waiting chunk every step; tokio-rt-worker: obstore's HTTP)",
+            " up every waiting chunk every step; kvstore-io: GETs and checks; tokio-rt-worker: obstore's"
+            " HEADs and PUTs)",
             ("chunk", "side", "by thread"),
         )
         for p in report.object_path:

@@ -1,7 +1,9 @@
 """The object path of a new node: chunks in the S3 store and an empty NVMe cache, timed from the first lookup
 to the last byte loaded, the tier driven the way vLLM's scheduler drives it (lookups every step until
 answered, one load job per step for what was answered); against the raw baseline, parallel GETs of the same
-objects with obstore and as many threads as our tier's io workers."""
+objects with the best S3 client here and as many threads as our tier's io workers. That client is the data
+path's own (`kvstore.stores.s3_get`): a raw loop of obstore GETs that keep no bytes took 1.3-2x its CPU per
+GET here (research, 2026-12-05)."""
 
 from __future__ import annotations
 
@@ -41,15 +43,15 @@ class ObjectPathResult:
     chunk_bytes: int
     chunks: int
     end_to_end_gb_s: float  # first lookup to last byte loaded, fresh node
-    raw_get_gb_s: float  # raw parallel obstore GETs of the same objects
+    raw_get_gb_s: float  # raw parallel GETs of the same objects (the best client here)
     vs_raw: float
     cpu_us: float = 0.0  # CPU microseconds per chunk of the calling process (median over rounds)
     raw_cpu_us: float = 0.0  # ... of the raw GET loop
     # GETs (and HEADs) the S3 server counted per chunk loaded: ours (probes and loads) and the raw loop's.
     gets_per_chunk: float | None = None
     raw_gets_per_chunk: float | None = None
-    # Where that CPU went, by thread: the scheduler's (lookups every step), our io threads' (GET calls and
-    # checks), obstore's runtime (HTTP), ... (`kvstore.connector.bench.thread_cpu`).
+    # Where that CPU went, by thread: the scheduler's (lookups every step), our io threads' (GETs off the
+    # socket, checks), obstore's runtime (HEADs, PUTs), ... (`kvstore.connector.bench.thread_cpu`).
     cpu_us_by_thread: dict[str, float] = field(default_factory=dict)
     raw_cpu_us_by_thread: dict[str, float] = field(default_factory=dict)
 
@@ -176,30 +178,41 @@ def _seed(primary: Primary, keys: Sequence[OffloadKey], target: StoreTarget, wor
 
 
 def _raw_gets(target: StoreTarget, names: Sequence[str], pool: ThreadPoolExecutor) -> Callable[[], Timed]:
-    """The raw baseline: one call GETs every object of `names` from `target`'s bucket with obstore, on the
-    threads of `pool` (as many as our tier's io workers, and like them alive before and after), and says how
-    long that took."""
-    import obstore
-    from obstore.store import S3Store as RawS3
+    """The raw baseline: one call GETs every object of `names` from `target`'s bucket with the data path's
+    own client, on the threads of `pool` (as many as our tier's io workers, and like them alive before and
+    after), and says how long that took."""
+    from kvstore.stores.s3 import S3Options
+    from kvstore.stores.s3_get import GetOptions, ObjectGetter
 
     bucket, prefix = target.bucket_and_prefix
     prefix = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
-    raw = RawS3(
+    opts = S3Options()
+    raw = ObjectGetter(
         bucket,
-        config={
-            "endpoint": target.endpoint or "",
-            "access_key_id": target.access_key,
-            "secret_access_key": target.secret_key,
-            "region": "us-east-1",
-        },
-        client_options={"allow_http": True},
+        endpoint=target.endpoint,
+        access_key=target.access_key,
+        secret_key=target.secret_key,
+        session_token=None,
+        region="us-east-1",
+        options=GetOptions(
+            connect_timeout=opts.connect_timeout,
+            attempt_timeout=opts.connect_timeout + opts.read_timeout,
+            deadline=opts.deadline,
+            retries=opts.retries,
+            backoff=opts.backoff,
+            backoff_max=opts.backoff_max,
+        ),
     )
+
+    def size_of(name: str) -> int:
+        body = raw.get(prefix + name, "raw GET")
+        return 0 if body is None else len(body)
 
     def raw_get() -> Timed:
         threads = thread_cpu()
         cpu = time.process_time()
         start = time.perf_counter()
-        sizes = list(pool.map(lambda name: len(obstore.get(raw, prefix + name).bytes()), names))
+        sizes = list(pool.map(size_of, names))
         seconds = time.perf_counter() - start
         assert all(sizes)
         return Timed(seconds, time.process_time() - cpu, cpu_by_role(threads, thread_cpu()))
