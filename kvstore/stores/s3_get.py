@@ -42,6 +42,7 @@ __all__ = ["GetOptions", "ObjectGetter", "Unsupported"]
 # cannot make it allocate without bound.
 MAX_OBJECT_BYTES = 1 << 30
 _MAX_HEAD_BYTES = 64 << 10  # status line and headers; S3 sends a few hundred bytes
+_HEAD_READ = 4096
 _MAX_ERROR_BODY = 64 << 10
 _UNSIGNED = "UNSIGNED-PAYLOAD"  # chunks carry their own checksum; and a GET has no payload
 _SIGNED_HEADERS = "host;x-amz-content-sha256;x-amz-date"
@@ -88,7 +89,7 @@ class _Head:
     status: int
     length: int | None
     close: bool
-    rest: memoryview  # body bytes that came with the head
+    rest: memoryview  # body bytes that came with the head (in the thread's head buffer)
 
 
 class ObjectGetter:
@@ -230,16 +231,18 @@ class ObjectGetter:
         sock.close()
 
     def _read_head(self, sock: socket.socket, deadline: float) -> _Head:
-        buf = getattr(self._local, "head_buffer", None)
-        if buf is None:
-            buf = self._local.head_buffer = memoryview(bytearray(_MAX_HEAD_BYTES))
+        raw: bytearray | None = getattr(self._local, "head_buffer", None)
+        if raw is None:
+            raw = self._local.head_buffer = bytearray(_MAX_HEAD_BYTES)
+        buf = memoryview(raw)
         got = 0
         while True:
-            n = _recv_into(sock, buf[got:], deadline)
+            # Small reads: the head is a few hundred bytes, and body bytes read with it cost an extra copy.
+            n = _recv_into(sock, buf[got : got + _HEAD_READ], deadline)
             if n == 0:
                 raise _Retryable("connection closed before an answer", before_answer=got == 0)
             got += n
-            end = bytes(buf[:got]).find(b"\r\n\r\n")
+            end = raw.find(b"\r\n\r\n", max(0, got - n - 3), got)
             if end >= 0:
                 break
             if got == len(buf):
@@ -263,8 +266,8 @@ class ObjectGetter:
             elif field == b"transfer-encoding":
                 length = None  # chunked: this client does not read it (S3 GETs announce their length)
                 close = True
-        # A copy of what came after the head: the head buffer is used again by the next request.
-        return _Head(int(status_line[1]), length, close, memoryview(bytes(buf[end + 4 : got])))
+        # Valid until this thread's next request, which reuses the head buffer.
+        return _Head(int(status_line[1]), length, close, buf[end + 4 : got])
 
     def _read_body(self, sock: socket.socket, head: _Head, deadline: float) -> memoryview:
         if head.length is None:
