@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
+import os
 import re
 import socket
 import ssl
@@ -127,6 +128,7 @@ class ObjectGetter:
         self._open: weakref.WeakSet[socket.socket] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._signing_key: tuple[str, bytes] = ("", b"")
+        self._pid = os.getpid()
 
     def get(self, name: str, what: str) -> memoryview | None:
         """The object `name` (its full name in the bucket), in a buffer of its own; None if the bucket has no
@@ -195,6 +197,10 @@ class ObjectGetter:
         return body
 
     def _connection(self, deadline: float) -> socket.socket:
+        if self._pid != os.getpid():
+            # A forked child: the parent's connections are the parent's (a response read by both would be
+            # torn); this process opens its own and leaves those open for the parent.
+            self._pid, self._local, self._open = os.getpid(), threading.local(), weakref.WeakSet()
         sock: socket.socket | None = getattr(self._local, "sock", None)
         if sock is not None:
             return sock
