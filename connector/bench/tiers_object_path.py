@@ -182,11 +182,10 @@ def _raw_gets(target: StoreTarget, names: Sequence[str], pool: ThreadPoolExecuto
     own client, on the threads of `pool` (as many as our tier's io workers, and like them alive before and
     after), and says how long that took."""
     from kvstore.stores.s3 import S3Options
-    from kvstore.stores.s3_get import GetOptions, ObjectGetter
+    from kvstore.stores.s3_get import ObjectGetter
 
     bucket, prefix = target.bucket_and_prefix
     prefix = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
-    opts = S3Options()
     raw = ObjectGetter(
         bucket,
         endpoint=target.endpoint,
@@ -194,14 +193,7 @@ def _raw_gets(target: StoreTarget, names: Sequence[str], pool: ThreadPoolExecuto
         secret_key=target.secret_key,
         session_token=None,
         region="us-east-1",
-        options=GetOptions(
-            connect_timeout=opts.connect_timeout,
-            attempt_timeout=opts.connect_timeout + opts.read_timeout,
-            deadline=opts.deadline,
-            retries=opts.retries,
-            backoff=opts.backoff,
-            backoff_max=opts.backoff_max,
-        ),
+        options=S3Options().for_gets(),
     )
 
     def size_of(name: str) -> int:

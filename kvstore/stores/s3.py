@@ -64,6 +64,17 @@ class S3Options:
     # Threads for `exists_many`; the connection pool is sized to match so parallel requests never queue.
     workers: int = 16
 
+    def for_gets(self) -> GetOptions:
+        """The data path's bounds as the GET client takes them."""
+        return GetOptions(
+            connect_timeout=self.connect_timeout,
+            attempt_timeout=self.connect_timeout + self.read_timeout,
+            deadline=self.deadline,
+            retries=self.retries,
+            backoff=self.backoff,
+            backoff_max=self.backoff_max,
+        )
+
     def __post_init__(self) -> None:
         timeouts = (self.connect_timeout, self.read_timeout, self.deadline, self.control_read_timeout)
         if not all(math.isfinite(t) and t > 0 for t in timeouts):
@@ -187,14 +198,7 @@ class S3Store(ObjectStore):
             secret_key=secret_key or None,
             session_token=session_token or None,
             region=self._region,
-            options=GetOptions(
-                connect_timeout=opts.connect_timeout,
-                attempt_timeout=opts.connect_timeout + opts.read_timeout,
-                deadline=opts.deadline,
-                retries=opts.retries,
-                backoff=opts.backoff,
-                backoff_max=opts.backoff_max,
-            ),
+            options=opts.for_gets(),
         )
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()

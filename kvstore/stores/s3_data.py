@@ -1,4 +1,5 @@
-"""The S3 data path (GET, HEAD, PUT) through obstore, a Rust client that releases the GIL for a whole request.
+"""The S3 data path's HEADs, PUTs and ranged GETs (and whole GETs the lean client of `s3_get.py` cannot read)
+through obstore, a Rust client that releases the GIL for a whole request.
 
 Inside a vLLM engine our I/O threads share one GIL with the scheduler. A pure-Python client holds it to sign,
 send and parse every request; obstore holds it only to enter and leave the call. On this repository's bench
