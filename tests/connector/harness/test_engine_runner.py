@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+from pathlib import Path
 
 import pytest
 
-from kvstore.connector.harness.engine_runner import SHM, EngineRun, UnknownMetric, new_shm, shm_snapshot
+from kvstore.connector.harness import engine_runner
+from kvstore.connector.harness.engine_runner import EngineRun, UnknownMetric, new_shm, shm_snapshot
 
 
 def run_with(metrics: dict[str, float], names: set[str]) -> EngineRun:
@@ -40,10 +42,16 @@ def test_an_unknown_metric_name_raises() -> None:
         run_with({}, set()).metric("vllm:kvstore_chunk_hits")  # a run whose metrics were lost
 
 
-def test_a_leftover_is_reported_and_an_entry_removed_meanwhile_is_not() -> None:
+def test_a_leftover_is_reported_and_an_entry_removed_meanwhile_is_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A /dev/shm of its own: an engine stopping in another test meanwhile would clean up these entries too.
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(engine_runner, "SHM", shm)
     before = shm_snapshot()
-    leaked = SHM / f"psm_kvstore_test_{uuid.uuid4().hex[:8]}"
-    passing = SHM / f"psm_kvstore_test_{uuid.uuid4().hex[:8]}"
+    leaked = shm / f"psm_kvstore_test_{uuid.uuid4().hex[:8]}"
+    passing = shm / f"psm_kvstore_test_{uuid.uuid4().hex[:8]}"
     leaked.write_bytes(b"x")
     passing.write_bytes(b"x")
     # Another test's engine stopped a moment ago: its harness removes its entry a second later.
