@@ -143,15 +143,21 @@ def _print_report(console: Console, report: object) -> None:
     if report.new_node_hit_s > 0:
         fresh = report.new_node_tiers.get("object")
         from_bucket = f"{fresh.hits:,.0f} chunks from the object store" if fresh is not None else "the bucket"
+        users = len(report.new_node_hits_s)
+        each = ", ".join(
+            f"{hit:.3f} vs {recomputed:.3f} s"
+            for hit, recomputed in zip(report.new_node_hits_s, report.new_node_recomputes_s, strict=False)
+        )
+        hit_s, recompute_s = report.new_node_hit_s, report.new_node_recompute_s
         console.print(
-            f"A new node with an empty NVMe cache ({report.new_node_hit_tokens:,} prompt tokens, "
-            f"{from_bucket}): TTFT [bold]{report.new_node_hit_s:.3f} s[/bold] from the bucket vs [bold]"
-            f"{report.new_node_recompute_s:.3f} s[/bold] recomputed on that engine "
-            f"({report.new_node_recompute_s / report.new_node_hit_s:.1f}x faster)."
+            f"A new node with an empty NVMe cache ({users} returning users, {report.new_node_hit_tokens:,} "
+            f"prompt tokens each from a cache, {from_bucket}): median TTFT [bold]{hit_s:.3f} s[/bold] from "
+            f"the bucket vs [bold]{recompute_s:.3f} s[/bold] recomputed on that engine "
+            f"({recompute_s / hit_s:.1f}x faster; each user: {each})."
         )
     if report.new_node_phases:
         phases = _table(
-            "Where the new node's request went (the tier's timeline; CPU of the vLLM server)",
+            "Where the new node's median request went (the tier's timeline; CPU of the vLLM server)",
             ("phase", "left"),
             ("from ms", "right"),
             ("took ms", "right"),

@@ -36,7 +36,8 @@ def _report() -> DemoReport:
     report.kvstore_tiers = {"nvme": TierCounts(35, 35), "object": TierCounts(0, 0)}
     report.new_node_tiers = {"nvme": TierCounts(23, 0), "object": TierCounts(23, 23)}
     report.returning_hit_s, report.returning_recompute_s, report.returning_hit_tokens = 0.11, 1.2, 2944
-    report.new_node_hit_s, report.new_node_recompute_s, report.new_node_hit_tokens = 0.16, 1.25, 2944
+    report.new_node_hits_s, report.new_node_recomputes_s = [0.3, 0.16, 0.12], [1.25, 1.1, 1.4]
+    report.new_node_hit_tokens = 2944
     return report
 
 
@@ -59,4 +60,6 @@ def test_urls_stay_whole_and_cells_complete(width: int) -> None:
     assert "100% (23 of 23)" in text.replace("\n", " ") or "(23 of 23)" in text
     flat = " ".join(text.split())
     assert "A new node with an empty NVMe cache" in flat and "23 chunks from the object store" in flat
-    assert "0.160 s" in flat and "1.250 s" in flat and "7.8x faster" in flat
+    # The medians of the three returning users (0.160 s, 1.250 s), and each user's pair.
+    assert "3 returning users" in flat and "median TTFT 0.160 s" in flat and "1.250 s recomputed" in flat
+    assert "7.8x faster" in flat and "0.300 vs 1.250 s, 0.160 vs 1.100 s, 0.120 vs 1.400 s" in flat
