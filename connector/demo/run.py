@@ -45,7 +45,7 @@ from kvstore.connector.harness.metrics import metric_delta
 from kvstore.connector.harness.multiturn import TurnRecord, Workload, replay
 from kvstore.connector.harness.tiny_model import TinyModelSpec, build_tiny_model, sample_text
 from kvstore.connector.harness.vllm_server import VLLMServer, vllm_server
-from kvstore.engine.timeline import Phase, episode_phases, read_timelines
+from kvstore.engine.timeline import LOOKUP, Phase, episode_phases, read_timelines
 from kvstore.runtime import EMBEDDED_BUCKET, open_node, open_object_store
 
 __all__ = ["DemoOptions", "DemoReport", "demo_sizing", "run_demo"]
@@ -261,10 +261,9 @@ def run_demo(
         fresh = second.metrics()
         served: list[tuple[float, int, list[Phase]]] = []
         for user in users:
-            episodes_before = len(read_timelines(timeline))
             sent = time.monotonic()
             hit_s, hit_tokens = _ttft(second, user)
-            served.append((hit_s, hit_tokens, _phases(timeline, episodes_before, sent, sent + hit_s)))
+            served.append((hit_s, hit_tokens, _phases(timeline, sent, sent + hit_s)))
             report.new_node_recomputes_s.append(_ttft(second, user, cache_salt=secrets.token_hex(8))[0])
             # The recomputed prompt is stored and uploaded: not while the next user's GETs run.
             wait_uploaded(new_node_cache, timeout_s=120.0)
@@ -331,14 +330,16 @@ def _wait_for_uploads(node: Any, timeout_s: float = 120.0) -> None:
     node.flush(timeout_s)
 
 
-def _phases(path: Path, before: int, sent: float, answered: float) -> list[Phase]:
-    """The phases of the request sent at ``sent``: the tier writes a request's timeline when the request
-    finishes, one episode after the ``before`` already there."""
+def _phases(path: Path, sent: float, answered: float) -> list[Phase]:
+    """The phases of the request sent at ``sent`` (requests go one at a time): the first episode that began
+    after it. The tier writes a request's timeline once vLLM reports it finished, which may come after the
+    next request was sent, so the count of episodes written before cannot tell which is whose."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        episodes = read_timelines(path)
-        if len(episodes) > before:
-            return episode_phases(episodes[before], sent, answered)
+        for episode in read_timelines(path):
+            lookup = episode.milestones.get(LOOKUP)
+            if lookup is not None and sent <= lookup.first_s <= answered:
+                return episode_phases(episode, sent, answered)
         time.sleep(0.1)
     return []
 
