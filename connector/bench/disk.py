@@ -46,9 +46,13 @@ def evict_page_cache(root: Path) -> None:
     than its RAM). posix_fadvise needs no root; dirty pages are written first so they can be dropped."""
     os.sync()
     for path in root.rglob("*"):
-        if path.is_file():
+        if not path.is_file():
+            continue
+        try:
             fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+        except FileNotFoundError:  # a live server's temporary file, gone meanwhile
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

@@ -70,7 +70,8 @@ def bench_vllm(o: VLLMOptions) -> None:
 def _print(report: VLLMReport) -> None:
     ttft = table(
         f"kvstore bench vllm: TTFT of a {report.prompt_tokens}-token prompt "
-        f"(median of {report.prompts}, tiny model, CPU backend)",
+        f"(median of {report.prompts}, tiny model, CPU backend; page cache dropped before each engine: "
+        f"tier files{', S3 objects' if report.s3_objects_cold else ''})",
         ("method", "TTFT s", "cached tokens", "speed-up vs recompute", "vs fs tier", "S3 GET/chunk",
          "GET 404", "PUT"),
     )  # fmt: skip

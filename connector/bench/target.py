@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -34,6 +35,9 @@ class StoreTarget:
     # The node's own embedded server (what a node with no endpoint configured runs), not a store standing for
     # one that other nodes share.
     own_server: bool = False
+    # Where that local server keeps its objects: benchmarks drop them from the page cache before timing reads
+    # (a bucket's objects are on its disks, not in this machine's RAM).
+    server_dir: Path | None = None
 
     @property
     def is_s3(self) -> bool:
@@ -95,6 +99,7 @@ def bench_target(settings: Settings, name: str) -> Iterator[StoreTarget]:
                 server.secret_key,
                 server.metrics_url,
                 own_server=True,
+                server_dir=server.data_dir,
             )
         else:
             yield StoreTarget(

@@ -21,6 +21,7 @@ def test_a_configured_store_gets_a_fresh_prefix_emptied_at_the_end(tmp_path: Pat
         with bench_target(settings, "unit") as target:
             assert target.store_url.startswith(f"{settings.local_store_url}/bench-unit-")
             assert not target.is_s3 and target.env == {} and target.server_pid is None
+            assert target.server_dir is None  # no server of ours: nothing of it to drop from the page cache
             with open_store(target.store_url) as mine:
                 mine.put("chunk", b"benchmark data")
             assert any(info.key.endswith("/chunk") for info in whole.list())
@@ -32,6 +33,9 @@ def test_the_embedded_server_serves_when_nothing_is_configured_and_stops_after(t
     settings = load_settings(data_dir=str(tmp_path / "data"), store_url="")
     with bench_target(settings, "unit") as target:
         assert target.is_s3 and target.endpoint and target.server_pid is not None
+        # Its objects' files, which benchmarks drop from the page cache before timing reads.
+        assert target.server_dir == tmp_path / "data" / "s3"
+        assert any(path.suffix == ".dat" for path in target.server_dir.rglob("*"))
         bucket, prefix = target.bucket_and_prefix
         assert bucket == EMBEDDED_BUCKET and prefix.startswith("bench-unit-")
         assert target.env == {
