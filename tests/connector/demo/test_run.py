@@ -11,9 +11,10 @@ import httpx
 import pytest
 
 from kvstore.config import load_settings
-from kvstore.connector.demo.run import DemoOptions, DemoReport, run_demo
+from kvstore.connector.demo.run import DemoOptions, DemoReport, _phases, run_demo
 from kvstore.connector.harness.engine_runner import new_shm, shm_snapshot
 from kvstore.connector.harness.multiturn import TurnRecord
+from kvstore.engine.timeline import Timeline
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
@@ -110,3 +111,17 @@ def test_ctrl_c_during_the_replay_stops_everything(data_dir: Path) -> None:
 
     assert _processes_under(data_dir) == []
     assert not new_shm(shm_before)
+
+
+def test_a_request_gets_its_own_phases_when_the_one_before_is_written_late(tmp_path: Path) -> None:
+    now = [1.0]
+    timeline = Timeline(tmp_path / "timeline.jsonl", clock=lambda: now[0], cpu_clock=lambda: now[0])
+    timeline.begin("recomputed")  # the request before, answered at 2.0
+    now[0] = 5.01
+    timeline.begin("from the bucket")  # sent at 5.0
+    now[0] = 5.2
+    timeline.end("recomputed")  # vLLM reported it finished only now, during the next request's steps
+    now[0] = 5.3
+    timeline.end("from the bucket")
+    phases = {phase.name: phase for phase in _phases(timeline.path, 5.0, 5.4)}
+    assert phases["scheduler's first lookups"].end_ms == pytest.approx(10.0)
