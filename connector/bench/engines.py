@@ -7,12 +7,12 @@ TTFT of long prompts, in one run, when the prefix is
   - loaded by KVStoreTier from the object store alone (fresh engine, empty cache: a new node),
   - loaded by vLLM's own object-store tier (`obj`, NIXL) from the same S3 server (fresh engine).
 Each engine first runs a short unrelated warm-up prompt, so TTFT excludes first-request effects; TTFT is
-the time of a `max_tokens=1` request, the median over the prompts. Before each timed engine, what it will read
-is dropped from the page cache: the fs tier's files, our NVMe cache, and the local S3 server's objects (a
-node's disk holds far more than its RAM, and a bucket's objects are on its own disks); an S3 endpoint of
-another machine is left as it is. The methods run in the order given (rotate
-it between runs: the machine warms up). For the methods that read a bucket, the S3 requests the server
-counted per chunk loaded; for our new node, where each request's time went (`kvstore.engine.timeline`).
+the time of a `max_tokens=1` request, the median over the prompts. Before each timed engine, what it will
+read is dropped from the page cache: the fs tier's files, our NVMe cache, and the local S3 server's objects
+(a node's disk holds far more than its RAM, and a bucket's objects are on its own disks); an S3 endpoint of
+another machine is left as it is. The methods run in the order given (rotate it between runs: the machine
+warms up). For the methods that read a bucket, the S3 requests the server counted per chunk loaded; for
+our new node, where each request's time went (`kvstore.engine.timeline`).
 
 Also the scheduler-thread cost of the tier per step with 1000+ chunks in flight, measured outside the
 engine with vLLM's own job classes (everything the scheduler calls: lookup, submit, poll, events, stats).
@@ -161,12 +161,6 @@ def bench_ttft(
         report = VLLMReport(prompt_tokens=tokens, prompts=prompts, methods=list(methods))
         report.s3_objects_cold = target.server_dir is not None
         rows: dict[str, TTFTRow] = {}
-
-        def cold(*dirs: Path | None) -> None:
-            for found in dirs:
-                if found is not None:
-                    evict_page_cache(found)
-
         for method in methods:
             if method == "recompute":
                 progress("recompute (no offloading)")
@@ -175,12 +169,12 @@ def bench_ttft(
                 progress("vLLM fs tier: fill, then a fresh engine")
                 fs = cpu_tiering_config({"type": "fs", "root_dir": str(root / "fs")})
                 _fill(model, texts, fs, env)
-                cold(root / "fs")
+                evict_page_cache(root / "fs")
                 rows[method] = _row(method, _ttft(model, texts, fs, env))
             elif method == "ours-nvme":
                 progress("KVStoreTier: fill, then a fresh engine on the same NVMe cache")
                 _fill(model, texts, cpu_tiering_config(ours), env)
-                cold(root / "nvme-a")
+                evict_page_cache(root / "nvme-a")
                 rows[method] = _row(method, _ttft(model, texts, cpu_tiering_config(ours), env))
             elif method == "ours-bucket":
                 progress("KVStoreTier: a fresh node (empty NVMe cache, same bucket)")
@@ -190,14 +184,16 @@ def bench_ttft(
                     wait_uploaded(cache, 600)  # uploads them
                 path = root / "timeline.jsonl"
                 fresh = {**ours, "cache_dir": str(root / "nvme-b"), "timeline_path": str(path)}
-                cold(target.server_dir)
+                if target.server_dir is not None:
+                    evict_page_cache(target.server_dir)
                 rows[method], run = _counted(method, target, model, texts, cpu_tiering_config(fresh), env)
                 report.timeline, report.timeline_counts = phases(read_timelines(path)[-prompts:], run)
             else:
                 progress("vLLM obj tier: fill, then a fresh engine")
                 entry, obj_env = target.obj_tier(f"ttft-obj-{time.time_ns()}")
                 _fill(model, texts, cpu_tiering_config(entry), obj_env)
-                cold(target.server_dir)
+                if target.server_dir is not None:
+                    evict_page_cache(target.server_dir)
                 rows[method], _ = _counted(method, target, model, texts, cpu_tiering_config(entry), obj_env)
         recompute, fs_ttft = rows["recompute"].ttft_s, rows["fs"].ttft_s
         for method in methods:
