@@ -267,6 +267,8 @@ class ChunkFiles:
         total = sum(len(v) for v in views)
         if total % BLOCK:
             raise ValueError(f"an O_DIRECT chunk file must be whole 4 KiB blocks, got {total} bytes")
+        if len(views) == 1 and _address(views[0]) % BLOCK == 0:
+            return [views[0]]  # a whole chunk in one aligned buffer (a verified GET's body): written as it is
         if len(views) >= 2 and len(views[0]) == BLOCK:
             payload = views[1]
             body = len(payload) - len(payload) % BLOCK

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from kvstore.engine import io
@@ -22,6 +23,8 @@ from kvstore.engine.outcomes import Outcomes
 from kvstore.engine.prefetch import PrefetchBuffer
 from kvstore.engine.timeline import GET_RETURNED, Timeline
 from kvstore.errors import StoreError
+from kvstore.stores import ObjectStore
+from kvstore.stores.base import Buffer
 
 log = logging.getLogger(__name__)
 
@@ -70,25 +73,55 @@ class ChainFetch:
         return [key for chain in self.chains for key in chain]
 
     def start(self, submit: Callable[[Callable[[], None]], object], workers: int) -> None:
-        """Run the GETs on ``workers`` tasks of the io pool (``submit``)."""
+        """Run the GETs on the io pool (``submit``), ``workers`` at once: on one task where the store keeps
+        many GETs in flight on one thread, else on ``workers`` tasks with one GET each at a time."""
+        store = self._outcomes.store
+        assert store is not None
+        if store.gets_many_at_once:
+            self._runners = 1
+            submit(lambda: self._runner(lambda store: self._get_each(store, workers)))
+            return
         self._runners = min(workers, sum(map(len, self.chains)))
         for _ in range(self._runners):
-            submit(self._run)
+            submit(lambda: self._runner(self._get_one_by_one))
 
-    def _run(self) -> None:
+    def _next(self) -> tuple[int, int] | None:
+        """The next (chain, rank) to GET; None when there is none, or the batch stops."""
+        for c, rank in self._order:  # a list iterator hands each item to exactly one runner
+            if self.error is not None or self._stopping.is_set() or not self._outcomes.store_available:
+                return None
+            if rank < self._end[c]:  # else past the chain's first miss: the request cannot use it
+                return c, rank
+        return None
+
+    def _get_one_by_one(self, store: ObjectStore) -> None:
+        while (at := self._next()) is not None:
+            c, rank = at
+            self._fetched(c, rank, io.fetch(store, self.chains[c][rank]))
+
+    def _get_each(self, store: ObjectStore, at_once: int) -> None:
+        started: dict[tuple[int, int], float] = {}
+
+        def next_item() -> tuple[tuple[int, int], str] | None:
+            at = self._next()
+            if at is None:
+                return None
+            started[at] = time.perf_counter()
+            return at, self.chains[at[0]][at[1]]
+
+        def on_object(at: tuple[int, int], blob: Buffer | None) -> None:
+            c, rank = at
+            self._fetched(c, rank, io.checked(self.chains[c][rank], blob, None, started.pop(at)))
+
+        store.get_each(next_item, on_object, at_once=at_once)
+
+    def _runner(self, get: Callable[[ObjectStore], None]) -> None:
         store = self._outcomes.store
         assert store is not None
         try:
-            for c, rank in self._order:  # a list iterator hands each item to exactly one runner
-                if self.error is not None or self._stopping.is_set() or not self._outcomes.store_available:
-                    return
-                if rank >= self._end[c]:
-                    continue  # past the chain's first miss: the request cannot use it
-                try:
-                    self._fetched(c, rank, io.fetch(store, self.chains[c][rank]))
-                except StoreError as exc:  # the store fails: the rest is asked again later
-                    self.error = exc
-                    return
+            get(store)
+        except StoreError as exc:  # the store fails: the rest is asked again later
+            self.error = exc
         except Exception:  # a runner must end (its batch waits for it); unanswered keys are asked again
             log.exception("a probe's GETs failed")
         finally:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvstore.cache import CachedChunk, NVMeCache, StagedFile
@@ -39,6 +39,11 @@ def fetch(store: ObjectStore, key: str) -> Fetched:
     """GET ``key`` and verify it as ``key``'s chunk (the payload is hashed in place, not copied)."""
     start = time.perf_counter()
     blob, region = get_located(store, key)
+    return checked(key, blob, region, start)
+
+
+def checked(key: str, blob: Buffer | None, region: str | None, start: float) -> Fetched:
+    """What a GET of ``key`` that began at ``start`` (``time.perf_counter``) brought, verified."""
     if blob is None:
         return Fetched(key, None, region, seconds=time.perf_counter() - start)
     try:
@@ -81,11 +86,16 @@ class NetworkBatch:
     def run(
         self, submit: Callable[[Callable[[], None]], object], workers: int, deadline: float
     ) -> tuple[list[Fetched | None], list[StoreError | None]]:
-        """Results per item (None: not fetched in time), and the store errors met."""
+        """Results per item (None: not fetched in time), and the store errors met. ``workers`` GETs at once:
+        on one task of the io pool where the store keeps many in flight on one thread, else on as many."""
         todo = iter(range(len(self._items)))
-        runners = min(workers, len(self._items))
-        for _ in range(runners):
-            submit(lambda: self._run(todo))
+        if self._store.gets_many_at_once:
+            runners = 1
+            submit(lambda: self._runner(lambda: self._get_each(todo, workers)))
+        else:
+            runners = min(workers, len(self._items))
+            for _ in range(runners):
+                submit(lambda: self._runner(lambda: self._get_one_by_one(todo)))
         with self._cond:
             self._cond.wait_for(
                 lambda: self._finished == runners, timeout=max(0.0, deadline - time.monotonic())
@@ -94,27 +104,50 @@ class NetworkBatch:
             self._cond.wait_for(lambda: self._copying == 0)
             return list(self._results), list(self._errors)
 
-    def _run(self, todo: object) -> None:
+    def _get_one_by_one(self, todo: Iterator[int]) -> None:
+        for i in todo:
+            if self._abandoned:
+                return
+            key = self._items[i][0]
+            try:
+                blob, region = get_located(self._store, key)
+            except StoreError as exc:
+                self._errors[i] = exc
+                return  # the store is failing: the rest of the batch waits for nothing
+            self._deliver(i, blob, region)
+
+    def _get_each(self, todo: Iterator[int], at_once: int) -> None:
+        asked: list[int] = []
+
+        def next_item() -> tuple[int, str] | None:
+            i = next(todo, None)
+            if i is None or self._abandoned:
+                return None
+            asked.append(i)
+            return i, self._items[i][0]
+
         try:
-            for i in todo:  # type: ignore[attr-defined]
-                if self._abandoned:
-                    return
-                key, dest = self._items[i]
-                try:
-                    blob, region = get_located(self._store, key)
-                except StoreError as exc:
-                    self._errors[i] = exc
-                    return  # the store is failing: the rest of the batch waits for nothing
-                with self._cond:
-                    if self._abandoned:
-                        return
-                    self._copying += 1
-                try:
-                    self._results[i] = _decode_fetched(key, blob, region, dest)
-                finally:
-                    with self._cond:
-                        self._copying -= 1
-                        self._cond.notify_all()
+            self._store.get_each(next_item, lambda i, blob: self._deliver(i, blob, None), at_once=at_once)
+        except StoreError as exc:  # the store is failing: the rest of the batch waits for nothing
+            self._errors[asked[-1] if asked else 0] = exc
+
+    def _deliver(self, i: int, blob: Buffer | None, region: str | None) -> None:
+        """Decode item ``i``'s object into its destination, unless the batch was abandoned."""
+        with self._cond:
+            if self._abandoned:
+                return
+            self._copying += 1
+        key, dest = self._items[i]
+        try:
+            self._results[i] = _decode_fetched(key, blob, region, dest)
+        finally:
+            with self._cond:
+                self._copying -= 1
+                self._cond.notify_all()
+
+    def _runner(self, get: Callable[[], None]) -> None:
+        try:
+            get()
         finally:
             with self._cond:
                 self._finished += 1

@@ -9,10 +9,10 @@ backend at its own edge. Every method is blocking and safe to call from several 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self, TypeAlias
+from typing import Any, Self, TypeAlias, TypeVar
 
 __all__ = ["Buffer", "Data", "ObjectInfo", "ObjectStore", "as_bytes_view", "check_range", "validate_key"]
 
@@ -20,6 +20,8 @@ __all__ = ["Buffer", "Data", "ObjectInfo", "ObjectStore", "as_bytes_view", "chec
 Data: TypeAlias = bytes | bytearray | memoryview
 # What `get_chunk` returns: anything with the buffer protocol (bytes, or a client's own response buffer).
 Buffer: TypeAlias = bytes | bytearray | memoryview | Any
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,25 @@ class ObjectStore(abc.ABC):
         """The object as a buffer, for the data path: a backend may hand out its own memory instead of a
         copy (obstore's response body). Same semantics as `get` otherwise."""
         return self.get(key)
+
+    # Whether `get_each` keeps many GETs in flight on the calling thread (else callers spread `get_chunk`
+    # calls over threads of their own).
+    gets_many_at_once = False
+
+    def get_each(
+        self,
+        next_item: Callable[[], tuple[_T, str] | None],
+        on_object: Callable[[_T, Buffer | None], None],
+        *,
+        at_once: int,
+    ) -> None:
+        """`get_chunk` of the key of every ``(tag, key)`` that ``next_item`` hands out until it says None,
+        each answer given to ``on_object`` with its tag as it comes, all on the calling thread. ``next_item``
+        is asked each time a GET can start, so it may skip what became useless meanwhile. Here, one after the
+        other; a backend that speaks to a server keeps up to ``at_once`` in flight."""
+        while (item := next_item()) is not None:
+            tag, key = item
+            on_object(tag, self.get_chunk(key))
 
     @abc.abstractmethod
     def get_range(self, key: str, start: int, length: int) -> bytes | None:

@@ -35,6 +35,7 @@ from kvstore.errors import BucketNotFound, ConfigError, StoreAuthError, StoreErr
 from kvstore.stores.base import Buffer, Data, ObjectInfo, ObjectStore, check_range, validate_key
 from kvstore.stores.s3_data import AUTH_CODES, S3DataPath
 from kvstore.stores.s3_get import GetOptions, ObjectGetter, Unsupported
+from kvstore.stores.s3_get_many import ManyGets
 
 __all__ = ["S3Options", "S3Store"]
 
@@ -200,6 +201,9 @@ class S3Store(ObjectStore):
             region=self._region,
             options=opts.for_gets(),
         )
+        # The engine's GETs of many chunks at once, on one thread; any answer it does not read comes from the
+        # blocking client above.
+        self._many = ManyGets(self._getter, lambda name: self._get_named(name, f"GET {name!r}"))
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
@@ -277,7 +281,25 @@ class S3Store(ObjectStore):
 
     @override
     def get_chunk(self, key: str) -> Buffer | None:
-        name, what = self._name(key), f"GET {key!r}"
+        return self._get_named(self._name(key), f"GET {key!r}")
+
+    gets_many_at_once = True
+
+    @override
+    def get_each(
+        self,
+        next_item: Callable[[], tuple[_T, str] | None],
+        on_object: Callable[[_T, Buffer | None], None],
+        *,
+        at_once: int,
+    ) -> None:
+        def named() -> tuple[_T, str] | None:
+            item = next_item()
+            return None if item is None else (item[0], self._name(item[1]))
+
+        self._many.get_each(named, on_object, at_once=at_once)
+
+    def _get_named(self, name: str, what: str) -> Buffer | None:
         try:
             return self._getter.get(name, what)
         except Unsupported:  # an answer the lean client does not read: the general one does

@@ -37,13 +37,22 @@ import numpy as np
 
 from kvstore.errors import BucketNotFound, StoreAuthError, StoreError, StoreUnavailable
 
-__all__ = ["GetOptions", "ObjectGetter", "Unsupported"]
+__all__ = [
+    "MAX_OBJECT_BYTES",
+    "GetOptions",
+    "ObjectGetter",
+    "RetryableError",
+    "Unsupported",
+    "aligned_buffer",
+    "parse_head",
+]
 
 # The largest object this client reads: far above any chunk, low enough that a broken or hostile answer
 # cannot make it allocate without bound.
 MAX_OBJECT_BYTES = 1 << 30
 _MAX_HEAD_BYTES = 64 << 10  # status line and headers; S3 sends a few hundred bytes
 _HEAD_READ = 4096
+_ALIGN = 4096  # O_DIRECT's unit
 _MAX_ERROR_BODY = 64 << 10
 _UNSIGNED = "UNSIGNED-PAYLOAD"  # chunks carry their own checksum; and a GET has no payload
 _SIGNED_HEADERS = "host;x-amz-content-sha256;x-amz-date"
@@ -65,7 +74,7 @@ class Unsupported(Exception):
     """The server answered in a form this client does not read (no Content-Length); nothing was lost."""
 
 
-class _Retryable(Exception):
+class RetryableError(Exception):
     """A quick failure (refused, reset, closed mid-answer, 5xx): another attempt may succeed."""
 
     def __init__(self, reason: str, *, before_answer: bool = False) -> None:
@@ -145,8 +154,8 @@ class ObjectGetter:
             try:
                 return self._attempt(name, what, attempt_deadline)
             except TimeoutError:
-                raise StoreUnavailable(f"{self._describe(what)}: no answer in time") from None
-            except _Retryable as exc:
+                raise StoreUnavailable(f"{self.describe(what)}: no answer in time") from None
+            except RetryableError as exc:
                 now = time.monotonic()
                 if exc.before_answer and on_idle_connection and not reopened:
                     reopened = True  # the server had closed it while idle: not a failure of the store
@@ -154,9 +163,18 @@ class ObjectGetter:
                 failures += 1
                 delay = min(opts.backoff * 2 ** (failures - 1), opts.backoff_max)
                 if failures > opts.retries or now + delay + opts.attempt_timeout > call_deadline:
-                    raise StoreUnavailable(f"{self._describe(what)}: {exc}") from None
+                    raise StoreUnavailable(f"{self.describe(what)}: {exc}") from None
                 time.sleep(delay)
                 now = time.monotonic()
+
+    @property
+    def options(self) -> GetOptions:
+        return self._options
+
+    @property
+    def where(self) -> str:
+        """The endpoint, for messages."""
+        return self._where
 
     def close(self) -> None:
         """Close every connection (threads that GET again open new ones)."""
@@ -173,11 +191,11 @@ class ObjectGetter:
         try:
             _settimeout(sock, deadline)
             try:
-                sock.sendall(self._request(name))
+                sock.sendall(self.request(name))
             except TimeoutError:
                 raise
             except OSError as exc:
-                raise _Retryable(f"send failed: {type(exc).__name__}", before_answer=True) from None
+                raise RetryableError(f"send failed: {type(exc).__name__}", before_answer=True) from None
             head = self._read_head(sock, deadline)
             if head.status == 200:
                 body, keep = self._read_body(sock, head, deadline), not head.close
@@ -204,6 +222,13 @@ class ObjectGetter:
         sock: socket.socket | None = getattr(self._local, "sock", None)
         if sock is not None:
             return sock
+        sock = self.connect(deadline)
+        self._local.sock, self._local.reused = sock, False
+        return sock
+
+    def connect(self, deadline: float) -> socket.socket:
+        """A new connection to the endpoint (TLS where it is https), closed with the others by ``close``.
+        Raises TimeoutError, `RetryableError` (refused, reset) or `StoreError` (a certificate refused)."""
         timeout = min(self._options.connect_timeout, deadline - time.monotonic())
         if timeout <= 0:
             raise TimeoutError
@@ -212,7 +237,7 @@ class ObjectGetter:
         except TimeoutError:
             raise
         except OSError as exc:
-            raise _Retryable(f"cannot connect: {type(exc).__name__}") from None
+            raise RetryableError(f"cannot connect: {type(exc).__name__}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._tls_context is not None:
             try:
@@ -224,10 +249,9 @@ class ObjectGetter:
                 sock.close()
                 if isinstance(exc, TimeoutError):
                     raise
-                raise _Retryable(f"TLS handshake failed: {type(exc).__name__}") from None
+                raise RetryableError(f"TLS handshake failed: {type(exc).__name__}") from None
         with self._lock:
             self._open.add(sock)
-        self._local.sock, self._local.reused = sock, False
         return sock
 
     def _drop(self, sock: socket.socket) -> None:
@@ -246,48 +270,29 @@ class ObjectGetter:
             # Small reads: the head is a few hundred bytes, and body bytes read with it cost an extra copy.
             n = _recv_into(sock, buf[got : got + _HEAD_READ], deadline)
             if n == 0:
-                raise _Retryable("connection closed before an answer", before_answer=got == 0)
+                raise RetryableError("connection closed before an answer", before_answer=got == 0)
             got += n
             end = raw.find(b"\r\n\r\n", max(0, got - n - 3), got)
             if end >= 0:
                 break
             if got == len(buf):
                 raise StoreError(f"{self._where}: answer head over {_MAX_HEAD_BYTES} bytes")
-        lines = bytes(buf[:end]).split(b"\r\n")
-        status_line = lines[0].split(b" ", 2)
-        if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/1.") or not status_line[1].isdigit():
-            raise StoreError(f"{self._where}: not an HTTP/1.x answer")
-        length: int | None = None
-        close = status_line[0] == b"HTTP/1.0"
-        for line in lines[1:]:
-            field, _, value = line.partition(b":")
-            field = field.strip().lower()
-            if field == b"content-length":
-                value = value.strip()
-                if not value.isdigit():
-                    raise StoreError(f"{self._where}: bad Content-Length")
-                length = int(value)
-            elif field == b"connection":
-                close = value.strip().lower() == b"close"
-            elif field == b"transfer-encoding":
-                length = None  # chunked: this client does not read it (S3 GETs announce their length)
-                close = True
+        status, length, close = parse_head(bytes(buf[:end]), self._where)
         # Valid until this thread's next request, which reuses the head buffer.
-        return _Head(int(status_line[1]), length, close, buf[end + 4 : got])
+        return _Head(status, length, close, buf[end + 4 : got])
 
     def _read_body(self, sock: socket.socket, head: _Head, deadline: float) -> memoryview:
         if head.length is None:
             raise Unsupported("an answer without Content-Length")
         if head.length > MAX_OBJECT_BYTES:
             raise StoreError(f"{self._where}: object of {head.length} bytes is over {MAX_OBJECT_BYTES}")
-        body = np.empty(head.length, dtype=np.uint8)  # not zeroed: every byte is written below
-        out = body.data  # a memoryview of the array
+        out = aligned_buffer(head.length)
         got = min(len(head.rest), head.length)
         out[:got] = head.rest[:got]
         while got < head.length:
             n = _recv_into(sock, out[got:], deadline)
             if n == 0:
-                raise _Retryable(f"connection closed after {got} of {head.length} bytes")
+                raise RetryableError(f"connection closed after {got} of {head.length} bytes")
             got += n
         return out
 
@@ -304,7 +309,7 @@ class ObjectGetter:
         while got < head.length:
             try:
                 n = _recv_into(sock, view[got:], deadline)
-            except _Retryable:
+            except RetryableError:
                 n = 0
             if n == 0:
                 return bytes(out[:got]), False
@@ -321,15 +326,16 @@ class ObjectGetter:
             return
         if status in (401, 403) or code in _AUTH_CODES:
             raise StoreAuthError(
-                f"{self._describe(what)}: access denied ({code.decode() or status}); check the credentials"
+                f"{self.describe(what)}: access denied ({code.decode() or status}); check the credentials"
             )
         if status >= 500 or code in (b"SlowDown", b"ServiceUnavailable", b"InternalError"):
-            raise _Retryable(f"server error {status} {code.decode()}".rstrip())
-        raise StoreError(f"{self._describe(what)}: HTTP {status} {code.decode()}".rstrip())
+            raise RetryableError(f"server error {status} {code.decode()}".rstrip())
+        raise StoreError(f"{self.describe(what)}: HTTP {status} {code.decode()}".rstrip())
 
     # -- the request --
 
-    def _request(self, name: str) -> bytes:
+    def request(self, name: str) -> bytes:
+        """The signed GET of the object ``name``, as sent on a connection."""
         path = quote(f"{self._path}/{name}", safe="/-_.~")
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
         headers = f"Host: {self._host_header}\r\nx-amz-content-sha256: {_UNSIGNED}\r\nx-amz-date: {stamp}\r\n"
@@ -367,8 +373,41 @@ class ObjectGetter:
         self._signing_key = (day, key)  # one tuple, swapped whole: threads see the old or the new
         return key
 
-    def _describe(self, what: str) -> str:
+    def describe(self, what: str) -> str:
         return f"{what} (bucket {self._bucket!r} at {self._where})"
+
+
+def parse_head(head: bytes, where: str) -> tuple[int, int | None, bool]:
+    """An answer's status, Content-Length (None: not announced) and whether the server closes the connection
+    after it, from its head (status line and fields, without the blank line). StoreError if not HTTP/1.x."""
+    lines = head.split(b"\r\n")
+    status_line = lines[0].split(b" ", 2)
+    if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/1.") or not status_line[1].isdigit():
+        raise StoreError(f"{where}: not an HTTP/1.x answer")
+    length: int | None = None
+    close = status_line[0] == b"HTTP/1.0"
+    for line in lines[1:]:
+        field, _, value = line.partition(b":")
+        field = field.strip().lower()
+        if field == b"content-length":
+            value = value.strip()
+            if not value.isdigit():
+                raise StoreError(f"{where}: bad Content-Length")
+            length = int(value)
+        elif field == b"connection":
+            close = value.strip().lower() == b"close"
+        elif field == b"transfer-encoding":
+            length = None  # chunked: this client does not read it (S3 GETs announce their length)
+            close = True
+    return int(status_line[1]), length, close
+
+
+def aligned_buffer(length: int) -> memoryview:
+    """An uninitialised buffer whose first byte is on a 4 KiB boundary: a chunk's payload then sits where
+    O_DIRECT takes it, so admitting a fetched chunk to NVMe writes it as it came, with no staging copy."""
+    block = np.empty(length + _ALIGN - 1, dtype=np.uint8)  # not zeroed: the reader writes every byte
+    skip = -block.ctypes.data % _ALIGN
+    return block[skip : skip + length].data
 
 
 def _settimeout(sock: socket.socket, deadline: float) -> None:
@@ -385,4 +424,4 @@ def _recv_into(sock: socket.socket, buf: memoryview, deadline: float) -> int:
     except TimeoutError:
         raise
     except OSError as exc:
-        raise _Retryable(f"connection failed: {type(exc).__name__}") from None
+        raise RetryableError(f"connection failed: {type(exc).__name__}") from None

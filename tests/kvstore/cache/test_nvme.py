@@ -25,6 +25,7 @@ from kvstore.chunk import (
     encode,
     parse_header,
     stored_size,
+    verify,
 )
 from kvstore.errors import CacheError, ChunkUnreadable, ConfigError
 from tests.cache_helpers import (
@@ -624,6 +625,34 @@ def test_direct_io_can_be_turned_off(cache_dir: Path) -> None:
     with NVMeCache(cache_dir, 10**8, direct_io=False) as cache:
         assert not cache.direct_io
         assert admit(cache, k(1), b"buffered") and read_chunk(cache, k(1)) == b"buffered"
+
+
+def test_a_whole_chunk_in_one_aligned_buffer_is_written_as_it_is(
+    cache: NVMeCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A verified GET's body (4 KiB-aligned, as the S3 clients allocate it) goes to disk with no staging copy;
+    # an unaligned one is staged. Both read back exact.
+    from kvstore.cache import files
+    from kvstore.stores.s3_get import aligned_buffer
+
+    assert cache.direct_io
+    staged: list[int] = []
+    real_staged = files.ChunkFiles._staged
+    monkeypatch.setattr(
+        files.ChunkFiles,
+        "_staged",
+        lambda self, views, total: staged.append(total) or real_staged(self, views, total),
+    )
+    raw = os.urandom(64 * 1024 + 5)
+    whole = encode(k(1), raw).to_bytes()
+    body = aligned_buffer(len(whole))
+    body[:] = whole
+    cache.commit([cache.write_file(verify(k(1), body), [body])])
+    assert staged == [] and read_chunk(cache, k(1)) == raw
+    unaligned = memoryview(bytearray(len(whole) + 1))[1:]
+    unaligned[:] = encode(k(2), raw).to_bytes()
+    cache.commit([cache.write_file(verify(k(2), unaligned), [unaligned])])
+    assert staged == [len(whole)] and read_chunk(cache, k(2)) == raw
 
 
 @pytest.mark.parametrize("codec", [Codec.NONE, Codec.ZSTD])

@@ -269,7 +269,24 @@ def test_prefix_probe_asks_first_keys_first_and_stops_a_chain_at_its_miss(
         asked.append(key)
         return real_get(key)
 
+    real_get_each = s3_store.get_each
+
+    def recording_get_each(
+        next_item: Callable[[], tuple[object, str] | None],
+        on_object: Callable[[object, object], None],
+        *,
+        at_once: int,
+    ) -> None:
+        def recorded() -> tuple[object, str] | None:
+            item = next_item()
+            if item is not None:
+                asked.append(item[1])
+            return item
+
+        real_get_each(recorded, on_object, at_once=at_once)
+
     monkeypatch.setattr(s3_store, "get_chunk", recording_get)
+    monkeypatch.setattr(s3_store, "get_each", recording_get_each)
     engine = make_engine(s3_store, cache, metrics, io_workers=1)
     engine.probe_prefixes([first, second])
     wait_for(lambda: engine.lookup_cached(second[-1]) is not Presence.PENDING, what="the probe")

@@ -5,8 +5,6 @@ connection reuse; against a scripted HTTP peer for what a real S3 does but Seawe
 from __future__ import annotations
 
 import os
-import socket
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -16,6 +14,7 @@ import pytest
 from kvstore.errors import StoreAuthError, StoreError, StoreUnavailable
 from kvstore.stores import S3Store
 from kvstore.stores.s3_get import MAX_OBJECT_BYTES, GetOptions, ObjectGetter, Unsupported
+from tests.scripted_peer import ScriptedPeer, error, ok
 
 if TYPE_CHECKING:  # the root conftest is not importable by name under every pytest import mode
     from conftest import S3Server
@@ -54,49 +53,6 @@ def test_a_session_token_is_signed_and_sent_with_a_get(
         store.get("k")
 
 
-class ScriptedPeer:
-    """A TCP server on loopback that answers each request with the next scripted reply; a reply is raw
-    bytes, or None to close the connection without answering."""
-
-    def __init__(self, replies: list[bytes | None]) -> None:
-        self.replies = replies
-        self.requests: list[bytes] = []
-        self.connections = 0
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while self.replies:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            self.connections += 1
-            with conn:
-                while self.replies:
-                    request = b""
-                    while b"\r\n\r\n" not in request:
-                        data = conn.recv(65536)
-                        if not data:
-                            break
-                        request += data
-                    if not request:
-                        break
-                    self.requests.append(request)
-                    reply = self.replies.pop(0)
-                    if reply is None:
-                        break
-                    conn.sendall(reply)
-                    if b"Connection: close" in reply:
-                        break
-
-    def close(self) -> None:
-        self._listener.close()
-        self._thread.join(5)
-
-
 Scripted = Callable[..., tuple[ObjectGetter, ScriptedPeer]]
 
 
@@ -123,16 +79,6 @@ def scripted() -> Iterator[Scripted]:
     for getter, server in made:
         getter.close()
         server.close()
-
-
-def ok(body: bytes, *extra: str) -> bytes:
-    head = "".join(f"{h}\r\n" for h in extra)
-    return f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n{head}\r\n".encode() + body
-
-
-def error(status: int, code: str) -> bytes:
-    body = f"<Error><Code>{code}</Code></Error>".encode()
-    return f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
 
 
 def test_a_request_is_signed_path_style(scripted: Scripted) -> None:

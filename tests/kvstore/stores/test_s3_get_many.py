@@ -1,0 +1,172 @@
+"""Many GETs in flight on one thread (`kvstore.stores.s3_get_many`): against the real S3 server for bytes,
+request counts and connection reuse; against a scripted HTTP peer for what a real S3 does but SeaweedFS will
+not do on command (closing an idle connection, answering 503 SlowDown, cutting a body short, never answering).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import pytest
+
+from kvstore.errors import BucketNotFound, StoreUnavailable
+from kvstore.stores import S3Store
+from kvstore.stores.base import Buffer
+from kvstore.stores.s3_get import GetOptions, ObjectGetter
+from kvstore.stores.s3_get_many import ManyGets
+from tests.scripted_peer import ScriptedPeer, error, ok
+
+if TYPE_CHECKING:  # the root conftest is not importable by name under every pytest import mode
+    from conftest import S3Server
+
+OPTIONS = GetOptions(
+    connect_timeout=1.0, attempt_timeout=1.0, deadline=3.0, retries=2, backoff=0.01, backoff_max=0.05
+)
+
+
+def get_all(
+    get_each: Callable[..., None], names: Sequence[str], *, at_once: int = 16
+) -> dict[int, bytes | None]:
+    """``get_each`` over ``names``, tagged by position; the bodies as bytes."""
+    todo = iter(enumerate(names))
+    out: dict[int, bytes | None] = {}
+
+    def keep(i: int, blob: Buffer | None) -> None:
+        out[i] = None if blob is None else bytes(blob)
+
+    get_each(lambda: next(todo, None), keep, at_once=at_once)
+    return out
+
+
+@pytest.mark.integration
+def test_every_size_comes_back_exact_with_one_get_each_over_kept_connections(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    blobs = {f"k{i}": os.urandom(n) for i, n in enumerate([0, 1, 4095, 65537, 256 << 10, (2 << 20) + 3])}
+    with s3_server.store(s3_bucket) as store:
+        for key, blob in blobs.items():
+            store.put(key, blob)
+        names = [*blobs, "absent"] * 4
+        before = s3_server.requests(s3_bucket) if s3_server.seaweed is not None else None
+        got = get_all(store.get_each, names, at_once=8)
+        assert got == {i: blobs.get(name) for i, name in enumerate(names)}
+        if before is not None:
+            asked = s3_server.requests(s3_bucket) - before
+            assert (asked.get, asked.get_missing) == (len(names), 4)  # one GET each, the fallback unused
+        opened = len(store._getter._open)
+        assert 1 <= opened <= 8
+        assert get_all(store.get_each, names, at_once=8) == got
+        assert len(store._getter._open) == opened  # the second call reused this thread's connections
+
+
+@pytest.mark.integration
+def test_next_item_is_asked_only_when_a_get_can_start(s3_store: S3Store) -> None:
+    for key in "abc":
+        s3_store.put(key, key.encode())
+    handed: list[str] = []
+    done: list[bytes] = []
+
+    def next_item() -> tuple[int, str] | None:
+        if done:  # the first answer makes the rest useless (a chain's first miss does so)
+            return None
+        key = "abc"[len(handed)]
+        handed.append(key)
+        return len(handed), key
+
+    s3_store.get_each(next_item, lambda _, blob: done.append(bytes(blob)), at_once=1)
+    assert (handed, done) == (["a"], [b"a"])
+
+
+Scripted = Callable[..., tuple[ManyGets, ScriptedPeer, list[str]]]
+
+
+@pytest.fixture
+def scripted() -> Iterator[Scripted]:
+    """A `ManyGets` talking to a scripted peer of its own, and the names its fallback was asked for."""
+    made: list[tuple[ObjectGetter, ScriptedPeer]] = []
+
+    def make(replies: list[bytes | None]) -> tuple[ManyGets, ScriptedPeer, list[str]]:
+        server = ScriptedPeer(replies)
+        getter = ObjectGetter(
+            "bucket",
+            endpoint=server.endpoint,
+            access_key="AKIDTEST",
+            secret_key="secret",
+            session_token=None,
+            region="us-east-1",
+            options=OPTIONS,
+        )
+        fell_back: list[str] = []
+
+        def fallback(name: str) -> Buffer | None:
+            fell_back.append(name)
+            return getter.get(name, f"GET {name!r}")
+
+        made.append((getter, server))
+        return ManyGets(getter, fallback), server, fell_back
+
+    yield make
+    for getter, server in made:
+        getter.close()
+        server.close()
+
+
+def test_answers_arrive_signed_and_a_missing_key_is_none(scripted: Scripted) -> None:
+    many, server, fell_back = scripted([ok(b"abc"), error(404, "NoSuchKey"), ok(b"d" * 70000)])
+    assert get_all(many.get_each, ["p/a", "p/b", "p/c"], at_once=1) == {0: b"abc", 1: None, 2: b"d" * 70000}
+    assert fell_back == [] and server.connections == 1
+    request = server.requests[0].decode()
+    assert request.startswith("GET /bucket/p/a HTTP/1.1\r\n") and "Signature=" in request
+
+
+def test_an_idle_connection_the_server_closed_is_opened_again_not_asked_of_the_fallback(
+    scripted: Scripted,
+) -> None:
+    many, server, fell_back = scripted([ok(b"one"), None, ok(b"two")])
+    assert get_all(many.get_each, ["a"]) == {0: b"one"}
+    assert get_all(many.get_each, ["b"]) == {0: b"two"}
+    assert fell_back == [] and server.connections == 2
+
+
+def test_an_error_answer_goes_to_the_blocking_client_which_retries_it(scripted: Scripted) -> None:
+    many, _, fell_back = scripted([error(503, "SlowDown"), error(503, "SlowDown"), ok(b"late")])
+    assert get_all(many.get_each, ["a"]) == {0: b"late"}
+    assert fell_back == ["a"]
+
+
+def test_no_such_bucket_is_not_a_missing_key(scripted: Scripted) -> None:
+    many, _, _ = scripted([error(404, "NoSuchBucket"), error(404, "NoSuchBucket")])
+    with pytest.raises(BucketNotFound):
+        get_all(many.get_each, ["a"])
+
+
+def test_a_body_cut_short_is_never_handed_out(scripted: Scripted) -> None:
+    cut = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\nConnection: close\r\n\r\n" + b"x" * 10
+    many, _, fell_back = scripted([cut] * 4)
+    with pytest.raises(StoreUnavailable, match="10 of 100"):
+        get_all(many.get_each, ["a"])
+    assert fell_back == ["a"]
+
+
+def test_a_server_that_never_answers_ends_the_call_at_the_deadline() -> None:
+    # The kernel accepts the connection and takes the request; nobody ever reads it.
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        getter = ObjectGetter(
+            "bucket",
+            endpoint=f"http://127.0.0.1:{silent.getsockname()[1]}",
+            access_key=None,
+            secret_key=None,
+            session_token=None,
+            region="us-east-1",
+            options=OPTIONS,
+        )
+        many = ManyGets(getter, lambda name: pytest.fail("nothing failed: no fallback"))
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="no answer in time"):
+            get_all(many.get_each, ["a", "b"])
+        assert time.monotonic() - started < OPTIONS.attempt_timeout + 2  # bounded, not a timing check
+        getter.close()

@@ -1,0 +1,61 @@
+"""A scripted HTTP peer for the GET clients' tests: what a real S3 does but SeaweedFS will not do on command
+(closing an idle connection, answering 503 SlowDown, cutting a body short, answering chunked). Import as
+`from tests.scripted_peer import ...`."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+
+class ScriptedPeer:
+    """A TCP server on loopback that answers each request with the next scripted reply; a reply is raw
+    bytes, or None to close the connection without answering."""
+
+    def __init__(self, replies: list[bytes | None]) -> None:
+        self.replies = replies
+        self.requests: list[bytes] = []
+        self.connections = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while self.replies:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                while self.replies:
+                    request = b""
+                    while b"\r\n\r\n" not in request:
+                        data = conn.recv(65536)
+                        if not data:
+                            break
+                        request += data
+                    if not request:
+                        break
+                    self.requests.append(request)
+                    reply = self.replies.pop(0)
+                    if reply is None:
+                        break
+                    conn.sendall(reply)
+                    if b"Connection: close" in reply:
+                        break
+
+    def close(self) -> None:
+        self._listener.close()
+        self._thread.join(5)
+
+
+def ok(body: bytes, *extra: str) -> bytes:
+    head = "".join(f"{h}\r\n" for h in extra)
+    return f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n{head}\r\n".encode() + body
+
+
+def error(status: int, code: str) -> bytes:
+    body = f"<Error><Code>{code}</Code></Error>".encode()
+    return f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
