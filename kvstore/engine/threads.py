@@ -7,7 +7,9 @@ starts a thread. Inside vLLM all of them share the GIL with the scheduler thread
 ==============  =========================  =====================================================
 name            how many                   what it does
 ==============  =========================  =====================================================
-kvstore-io      ``io_workers`` (16)        object-store GETs and HEADs: probes, loads that miss
+kvstore-io      ``io_workers`` (16)        object-store GETs and HEADs: probes, loads that miss;
+                                           on S3 one thread keeps a batch's GETs in flight
+                                           together (up to ``io_workers``, one epoll)
 kvstore-disk    ``disk_workers`` (8)       NVMe chunk files: O_DIRECT reads into vLLM's buffers,
                                            writes straight from them; the device's queue depth
 kvstore-upload  ``upload_workers`` (8)     PUTs of queued chunks, each read from its NVMe file

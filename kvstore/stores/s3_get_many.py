@@ -39,6 +39,7 @@ _T = TypeVar("_T")
 _HEAD_READ = 4096
 _MAX_HEAD_BYTES = 64 << 10
 _MAX_MISSING_BODY = 64 << 10  # a 404's XML error document
+_MAX_IDLE = 64  # kept-alive connections between calls, for every thread of the process together
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError)
 
 
@@ -146,7 +147,8 @@ class _Connection(Generic[_T]):
 
 class ManyGets:
     """GETs of whole objects through ``getter``'s endpoint and signing, many at once on the calling thread.
-    Thread-safe: each thread keeps its own idle connections between calls."""
+    Thread-safe: calls on any thread share the kept-alive connections (a batch runs on whichever io thread
+    is free, and connections per thread would multiply)."""
 
     def __init__(
         self,
@@ -156,7 +158,8 @@ class ManyGets:
         """``fallback`` GETs one object by name with the blocking client (retries, error translation)."""
         self.getter = getter
         self.fallback = fallback
-        self._local = threading.local()
+        self._idle: list[_Connection[Any]] = []  # kept alive, no call using them; the newest last
+        self._lock = threading.Lock()
         self._pid = os.getpid()
 
     def get_each(
@@ -171,7 +174,7 @@ class ManyGets:
         it completes. ``next_item`` is asked again whenever a connection is free, so it can stop handing out
         or skip what became useless. Raises what the data path raises (`StoreUnavailable` when a GET gets no
         answer in time...); GETs in flight then are abandoned, their connections closed."""
-        with _Round(self, self._idle(), on_object) as round_:
+        with _Round(self, on_object) as round_:
             more = True
             while True:
                 while more and len(round_.busy) < max(1, at_once):
@@ -184,15 +187,24 @@ class ManyGets:
                     return
                 round_.wait()
 
-    def _idle(self) -> list[_Connection[Any]]:
-        if self._pid != os.getpid():  # a forked child: the parent's connections stay the parent's
-            self._pid, self._local = os.getpid(), threading.local()
-        idle: list[_Connection[Any]] | None = getattr(self._local, "idle", None)
-        if idle is None:
-            idle = self._local.idle = []
-        # Connections `ObjectGetter.close` closed meanwhile (the store was closed) are not kept.
-        idle[:] = [conn for conn in idle if conn.sock.fileno() >= 0]
-        return idle
+    def take_idle(self) -> _Connection[Any] | None:
+        """A kept-alive connection no call is using, if there is one."""
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's connections stay the parent's
+                self._pid, self._idle = os.getpid(), []
+            while self._idle:
+                conn = self._idle.pop()
+                if conn.sock.fileno() >= 0:  # else `ObjectGetter.close` closed it (the store was closed)
+                    return conn
+        return None
+
+    def keep(self, conn: _Connection[Any]) -> None:
+        """Keep ``conn`` for the next call, on any thread (at most `_MAX_IDLE` are kept)."""
+        with self._lock:
+            if len(self._idle) < _MAX_IDLE and self._pid == os.getpid():
+                self._idle.append(conn)
+                return
+        conn.sock.close()
 
 
 class _Round(Generic[_T]):
@@ -201,13 +213,12 @@ class _Round(Generic[_T]):
     def __init__(
         self,
         owner: ManyGets,
-        idle: list[_Connection[Any]],
         on_object: Callable[[_T, Buffer | None], None],
     ) -> None:
         self.busy: set[_Connection[_T]] = set()
         self._getter = owner.getter
         self._fallback = owner.fallback
-        self._idle = idle
+        self._owner = owner
         self._on_object = on_object
         self._attempt = self._getter.options.attempt_timeout
         self._selector = selectors.DefaultSelector()
@@ -223,7 +234,7 @@ class _Round(Generic[_T]):
     def start(self, tag: _T, name: str, *, fresh: bool = False) -> None:
         """Send the GET of ``name`` on an idle connection (unless ``fresh``), else a new one; if none takes
         it, the blocking client answers it now."""
-        conn = self._connection(tag, name, [] if fresh else self._idle)
+        conn = self._connection(tag, name, fresh=fresh)
         if conn is None:
             self._on_object(tag, self._fallback(name))
             return
@@ -258,17 +269,16 @@ class _Round(Generic[_T]):
         self.busy.discard(conn)
         if keep:
             conn.reused, conn.body = True, None
-            self._idle.append(conn)
+            self._owner.keep(conn)
         else:
             conn.sock.close()
 
-    def _connection(self, tag: _T, name: str, idle: list[_Connection[_T]]) -> _Connection[_T] | None:
+    def _connection(self, tag: _T, name: str, *, fresh: bool) -> _Connection[_T] | None:
         """A connection with the GET of ``name`` sent: an idle one, else a new one; None when none could
         take it (the caller asks the blocking client)."""
         request = self._getter.request(name)
         deadline = time.monotonic() + self._attempt
-        while idle:
-            conn = idle.pop()
+        while not fresh and (conn := self._owner.take_idle()) is not None:
             try:
                 conn.send(tag, name, request, deadline)
                 return conn
@@ -278,10 +288,10 @@ class _Round(Generic[_T]):
             sock = self._getter.connect(deadline)
         except (OSError, RetryableError, StoreError):
             return None  # the blocking client tries (and retries) and says why it cannot
-        fresh: _Connection[_T] = _Connection(sock)
+        new: _Connection[_T] = _Connection(sock)
         try:
-            fresh.send(tag, name, request, deadline)
+            new.send(tag, name, request, deadline)
         except _Failed:
             sock.close()
             return None
-        return fresh
+        return new
