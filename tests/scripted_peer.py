@@ -7,6 +7,8 @@ from __future__ import annotations
 import socket
 import threading
 
+from kvstore.stores.s3_get import GetOptions, ObjectGetter
+
 
 class ScriptedPeer:
     """A TCP server on loopback that answers each request with the next scripted reply; a reply is raw
@@ -59,3 +61,16 @@ def ok(body: bytes, *extra: str) -> bytes:
 def error(status: int, code: str) -> bytes:
     body = f"<Error><Code>{code}</Code></Error>".encode()
     return f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+def signing_getter(endpoint: str, options: GetOptions) -> ObjectGetter:
+    """A GET client for the bucket "bucket" at ``endpoint`` that signs with test keys."""
+    return ObjectGetter(
+        "bucket",
+        endpoint=endpoint,
+        access_key="AKIDTEST",
+        secret_key="secret",
+        session_token=None,
+        region="us-east-1",
+        options=options,
+    )

@@ -14,7 +14,7 @@ import pytest
 from kvstore.errors import StoreAuthError, StoreError, StoreUnavailable
 from kvstore.stores import S3Store
 from kvstore.stores.s3_get import MAX_OBJECT_BYTES, GetOptions, ObjectGetter, Unsupported
-from tests.scripted_peer import ScriptedPeer, error, ok
+from tests.scripted_peer import ScriptedPeer, error, ok, signing_getter
 
 if TYPE_CHECKING:  # the root conftest is not importable by name under every pytest import mode
     from conftest import S3Server
@@ -63,15 +63,7 @@ def scripted() -> Iterator[Scripted]:
 
     def make(replies: list[bytes | None], options: GetOptions = OPTIONS) -> tuple[ObjectGetter, ScriptedPeer]:
         server = ScriptedPeer(replies)
-        getter = ObjectGetter(
-            "bucket",
-            endpoint=server.endpoint,
-            access_key="AKIDTEST",
-            secret_key="secret",
-            session_token=None,
-            region="us-east-1",
-            options=options,
-        )
+        getter = signing_getter(server.endpoint, options)
         made.append((getter, server))
         return getter, server
 

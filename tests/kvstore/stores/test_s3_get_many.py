@@ -19,7 +19,7 @@ from kvstore.stores import S3Store
 from kvstore.stores.base import Buffer
 from kvstore.stores.s3_get import GetOptions, ObjectGetter
 from kvstore.stores.s3_get_many import ManyGets
-from tests.scripted_peer import ScriptedPeer, error, ok
+from tests.scripted_peer import ScriptedPeer, error, ok, signing_getter
 
 if TYPE_CHECKING:  # the root conftest is not importable by name under every pytest import mode
     from conftest import S3Server
@@ -94,15 +94,7 @@ def scripted() -> Iterator[Scripted]:
 
     def make(replies: list[bytes | None]) -> tuple[ManyGets, ScriptedPeer, list[str]]:
         server = ScriptedPeer(replies)
-        getter = ObjectGetter(
-            "bucket",
-            endpoint=server.endpoint,
-            access_key="AKIDTEST",
-            secret_key="secret",
-            session_token=None,
-            region="us-east-1",
-            options=OPTIONS,
-        )
+        getter = signing_getter(server.endpoint, OPTIONS)
         fell_back: list[str] = []
 
         def fallback(name: str) -> Buffer | None:
