@@ -117,19 +117,15 @@ class NetworkBatch:
             self._deliver(i, blob, region)
 
     def _get_each(self, todo: Iterator[int], at_once: int) -> None:
-        asked: list[int] = []
-
         def next_item() -> tuple[int, str] | None:
             i = next(todo, None)
-            if i is None or self._abandoned:
-                return None
-            asked.append(i)
-            return i, self._items[i][0]
+            return None if i is None or self._abandoned else (i, self._items[i][0])
 
         try:
             self._store.get_each(next_item, lambda i, blob: self._deliver(i, blob, None), at_once=at_once)
         except StoreError as exc:  # the store is failing: the rest of the batch waits for nothing
-            self._errors[asked[-1] if asked else 0] = exc
+            unanswered = next((i for i, r in enumerate(self._results) if r is None), 0)
+            self._errors[unanswered] = exc
 
     def _deliver(self, i: int, blob: Buffer | None, region: str | None) -> None:
         """Decode item ``i``'s object into its destination, unless the batch was abandoned."""

@@ -65,7 +65,6 @@ class _Connection(Generic[_T]):
         "name",
         "reused",
         "sock",
-        "started",
         "status",
         "tag",
     )
@@ -77,7 +76,7 @@ class _Connection(Generic[_T]):
         self.reused = False
         self.tag: _T
         self.name = ""
-        self.deadline = self.started = 0.0
+        self.deadline = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -87,7 +86,7 @@ class _Connection(Generic[_T]):
         self.keep = True
 
     def send(self, tag: _T, name: str, request: bytes, deadline: float) -> None:
-        self.tag, self.name, self.deadline, self.started = tag, name, deadline, time.monotonic()
+        self.tag, self.name, self.deadline = tag, name, deadline
         self._reset()
         try:
             sent = self.sock.send(request)  # a few hundred bytes into an empty send buffer
