@@ -26,6 +26,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
 from kvstore.errors import StoreError, StoreUnavailable
@@ -40,6 +41,7 @@ _HEAD_READ = 4096
 _MAX_HEAD_BYTES = 64 << 10
 _MAX_MISSING_BODY = 64 << 10  # a 404's XML error document
 _MAX_IDLE = 64  # kept-alive connections between calls, for every thread of the process together
+_CONNECTORS = 8  # threads that open missing connections together
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError)
 
 
@@ -158,6 +160,7 @@ class ManyGets:
         self.getter = getter
         self.fallback = fallback
         self._idle: list[_Connection[Any]] = []  # kept alive, no call using them; the newest last
+        self._connector: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._pid = os.getpid()
 
@@ -176,15 +179,52 @@ class ManyGets:
         with _Round(self, on_object) as round_:
             more = True
             while True:
-                while more and len(round_.busy) < max(1, at_once):
+                items: list[tuple[_T, str]] = []
+                while more and len(round_.busy) + len(items) < max(1, at_once):
                     item = next_item()
                     if item is None:
                         more = False
                     else:
-                        round_.start(*item)
+                        items.append(item)
+                self._reserve(len(items))
+                for tag, name in items:
+                    round_.start(tag, name)
                 if not round_.busy:
                     return
                 round_.wait()
+
+    def close(self) -> None:
+        """Stop the threads that open connections (the connections are the getter's to close)."""
+        with self._lock:
+            pool, self._connector = self._connector, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _reserve(self, wanted: int) -> None:
+        """At least ``wanted`` idle connections where possible: what is missing is opened at once, on threads
+        of its own (a TLS handshake is a few round trips; sixteen in a row would delay a new node's first
+        GETs by as many). One missing connection is left to the round, which opens it inline."""
+        with self._lock:
+            missing = wanted - len(self._idle)
+            if missing <= 1:
+                return
+            if self._connector is None:
+                self._connector = ThreadPoolExecutor(_CONNECTORS, thread_name_prefix="kvstore-s3-connect")
+            connector = self._connector
+        deadline = time.monotonic() + self.getter.options.attempt_timeout
+        try:
+            opened = list(connector.map(lambda _: self._open(deadline), range(missing)))
+        except RuntimeError:  # closed meanwhile: the round opens what it needs itself
+            return
+        for sock in opened:
+            if sock is not None:
+                self.keep(_Connection(sock))
+
+    def _open(self, deadline: float) -> socket.socket | None:
+        try:
+            return self.getter.connect(deadline)
+        except (OSError, RetryableError, StoreError):
+            return None  # the round tries again, and the blocking client says why it cannot
 
     def take_idle(self) -> _Connection[Any] | None:
         """A kept-alive connection no call is using, if there is one."""

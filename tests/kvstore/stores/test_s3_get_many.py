@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -165,3 +166,26 @@ def test_a_server_that_never_answers_ends_the_call_at_the_deadline() -> None:
             get_all(many.get_each, ["a", "b"])
         assert time.monotonic() - started < OPTIONS.attempt_timeout + 2  # bounded, not a timing check
         getter.close()
+
+
+@pytest.mark.integration
+def test_a_new_nodes_connections_are_opened_together_not_one_after_another(
+    s3_store: S3Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Against a remote TLS endpoint each opening is a few round trips: sixteen in a row would delay the first
+    # GETs of a new node by as many.
+    for i in range(8):
+        s3_store.put(f"k{i}", bytes([i]) * 100)
+    opened_on: list[str] = []
+    real_connect = s3_store._getter.connect
+
+    def recording_connect(deadline: float) -> socket.socket:
+        opened_on.append(threading.current_thread().name)
+        return real_connect(deadline)
+
+    monkeypatch.setattr(s3_store._getter, "connect", recording_connect)
+    got = get_all(s3_store.get_each, [f"k{i}" for i in range(8)], at_once=8)
+    assert got == {i: bytes([i]) * 100 for i in range(8)}
+    assert len(opened_on) == 8
+    assert all(name.startswith("kvstore-s3-connect") for name in opened_on)
+    assert len(set(opened_on)) >= 2
