@@ -205,16 +205,18 @@ class ManyGets:
         of its own (a TLS handshake is a few round trips; sixteen in a row would delay a new node's first
         GETs by as many). One missing connection is left to the round, which opens it inline."""
         with self._lock:
+            self._forked()
             missing = wanted - len(self._idle)
             if missing <= 1:
                 return
             if self._connector is None:
                 self._connector = ThreadPoolExecutor(_CONNECTORS, thread_name_prefix="kvstore-s3-connect")
             connector = self._connector
-        deadline = time.monotonic() + self.getter.options.attempt_timeout
+        wait = self.getter.options.attempt_timeout
+        deadline = time.monotonic() + wait
         try:
-            opened = list(connector.map(lambda _: self._open(deadline), range(missing)))
-        except RuntimeError:  # closed meanwhile: the round opens what it needs itself
+            opened = list(connector.map(lambda _: self._open(deadline), range(missing), timeout=wait))
+        except (RuntimeError, TimeoutError):  # closed meanwhile, or slow: the round opens what it lacks
             return
         for sock in opened:
             if sock is not None:
@@ -229,13 +231,18 @@ class ManyGets:
     def take_idle(self) -> _Connection[Any] | None:
         """A kept-alive connection no call is using, if there is one."""
         with self._lock:
-            if self._pid != os.getpid():  # a forked child: the parent's connections stay the parent's
-                self._pid, self._idle = os.getpid(), []
+            self._forked()
             while self._idle:
                 conn = self._idle.pop()
                 if conn.sock.fileno() >= 0:  # else `ObjectGetter.close` closed it (the store was closed)
                     return conn
         return None
+
+    def _forked(self) -> None:
+        """In a forked child (under the lock): the parent's connections stay the parent's, and its threads
+        did not come along."""
+        if self._pid != os.getpid():
+            self._pid, self._idle, self._connector = os.getpid(), [], None
 
     def keep(self, conn: _Connection[Any]) -> None:
         """Keep ``conn`` for the next call, on any thread (at most `_MAX_IDLE` are kept)."""
