@@ -204,6 +204,8 @@ class ManyGets:
         """At least ``wanted`` idle connections where possible: what is missing is opened at once, on threads
         of its own (a TLS handshake is a few round trips; sixteen in a row would delay a new node's first
         GETs by as many). One missing connection is left to the round, which opens it inline."""
+        if wanted <= 1:  # a refill after one answer: the common case, no lock taken
+            return
         with self._lock:
             self._forked()
             missing = wanted - len(self._idle)
