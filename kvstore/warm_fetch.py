@@ -64,7 +64,7 @@ def fetch_into_cache(
             break
         batch = wanted[start : start + _BATCH]
         try:
-            fetched = threads.map(threads.io, threads.io_workers, lambda k: io.fetch(store, k), batch)
+            fetched = _fetch(store, threads, batch)
         except StoreError as exc:
             if breaker is not None:
                 breaker.failed("get", exc)
@@ -79,6 +79,14 @@ def fetch_into_cache(
         written = _admit(cache, threads, good, metrics)
         total += Admitted(written=written, present=len(good) - written, missing=len(batch) - len(good))
     return total
+
+
+def _fetch(store: ObjectStore, threads: EngineThreads, keys: list[str]) -> list[io.Fetched]:
+    """GET and verify ``keys``: in flight together on this thread where the store offers it, else one GET
+    per io thread."""
+    if store.gets_many_at_once:
+        return io.fetch_each(store, keys, at_once=threads.io_workers)
+    return threads.map(threads.io, threads.io_workers, lambda k: io.fetch(store, k), keys)
 
 
 def _admit(cache: NVMeCache, threads: EngineThreads, hits: list[io.Fetched], metrics: EngineMetrics) -> int:

@@ -23,7 +23,7 @@ from kvstore.engine.outcomes import Outcomes
 from kvstore.engine.prefetch import PrefetchBuffer
 from kvstore.engine.timeline import GET_RETURNED, Timeline
 from kvstore.errors import StoreError
-from kvstore.stores import ObjectStore
+from kvstore.stores import ObjectStore, get_each_located
 from kvstore.stores.base import Buffer
 
 log = logging.getLogger(__name__)
@@ -87,12 +87,20 @@ class ChainFetch:
 
     def _next(self) -> tuple[int, int] | None:
         """The next (chain, rank) to GET; None when there is none, or the batch stops."""
-        for c, rank in self._order:  # a list iterator hands each item to exactly one runner
-            if self.error is not None or self._stopping.is_set() or not self._outcomes.store_available:
+        for at in self._order:  # a list iterator hands each item to exactly one runner
+            if self._stopped():
                 return None
-            if rank < self._end[c]:  # else past the chain's first miss: the request cannot use it
-                return c, rank
+            if self._wanted(at):
+                return at
         return None
+
+    def _stopped(self) -> bool:
+        return self.error is not None or self._stopping.is_set() or not self._outcomes.store_available
+
+    def _wanted(self, at: tuple[int, int]) -> bool:
+        """Not past its chain's first miss (the request could not use it), and the batch goes on."""
+        c, rank = at
+        return rank < self._end[c] and not self._stopped()
 
     def _get_one_by_one(self, store: ObjectStore) -> None:
         while (at := self._next()) is not None:
@@ -109,11 +117,11 @@ class ChainFetch:
             started[at] = time.perf_counter()
             return at, self.chains[at[0]][at[1]]
 
-        def on_object(at: tuple[int, int], blob: Buffer | None) -> None:
+        def on_object(at: tuple[int, int], blob: Buffer | None, region: str | None) -> None:
             c, rank = at
-            self._fetched(c, rank, io.checked(self.chains[c][rank], blob, None, started.pop(at)))
+            self._fetched(c, rank, io.checked(self.chains[c][rank], blob, region, started.pop(at)))
 
-        store.get_each(next_item, on_object, at_once=at_once)
+        get_each_located(store, next_item, on_object, at_once=at_once, wanted=self._wanted)
 
     def _runner(self, get: Callable[[ObjectStore], None]) -> None:
         store = self._outcomes.store

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from kvstore.cache import CachedChunk, NVMeCache, StagedFile
 from kvstore.chunk import Buffer, ChunkHeader, Codec, decode_into, encode, payload_of, unpack_verified, verify
 from kvstore.errors import CacheError, ChunkError, ChunkUnreadable, StoreError
-from kvstore.stores import ObjectStore, get_located
+from kvstore.stores import ObjectStore, get_each_located, get_located
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +40,26 @@ def fetch(store: ObjectStore, key: str) -> Fetched:
     start = time.perf_counter()
     blob, region = get_located(store, key)
     return checked(key, blob, region, start)
+
+
+def fetch_each(store: ObjectStore, keys: Sequence[str], *, at_once: int) -> list[Fetched]:
+    """`fetch` of every key, ``at_once`` GETs in flight together on the calling thread (for a store whose
+    ``gets_many_at_once``); in the keys' order."""
+    todo = iter(enumerate(keys))
+    started: dict[int, float] = {}
+    out: list[Fetched | None] = [None] * len(keys)
+
+    def next_item() -> tuple[int, str] | None:
+        item = next(todo, None)
+        if item is not None:
+            started[item[0]] = time.perf_counter()
+        return item
+
+    def on_object(i: int, blob: Buffer | None, region: str | None) -> None:
+        out[i] = checked(keys[i], blob, region, started.pop(i))
+
+    get_each_located(store, next_item, on_object, at_once=at_once)
+    return [f if f is not None else Fetched(key, None) for key, f in zip(keys, out, strict=True)]
 
 
 def checked(key: str, blob: Buffer | None, region: str | None, start: float) -> Fetched:
@@ -122,7 +142,9 @@ class NetworkBatch:
             return None if i is None or self._abandoned else (i, self._items[i][0])
 
         try:
-            self._store.get_each(next_item, lambda i, blob: self._deliver(i, blob, None), at_once=at_once)
+            get_each_located(
+                self._store, next_item, self._deliver, at_once=at_once, wanted=lambda _i: not self._abandoned
+            )
         except StoreError as exc:  # the store is failing: the rest of the batch waits for nothing
             unanswered = next((i for i, r in enumerate(self._results) if r is None), 0)
             self._errors[unanswered] = exc

@@ -4,7 +4,7 @@
 from kvstore.stores.base import Data, ObjectInfo, ObjectStore
 from kvstore.stores.local import LocalStore
 from kvstore.stores.memory import MemoryStore
-from kvstore.stores.regions import RegionalStore, get_located
+from kvstore.stores.regions import RegionalStore, get_each_located, get_located
 from kvstore.stores.s3 import S3Options, S3Store
 from kvstore.stores.url import open_store
 
@@ -17,6 +17,7 @@ __all__ = [
     "RegionalStore",
     "S3Options",
     "S3Store",
+    "get_each_located",
     "get_located",
     "open_store",
 ]

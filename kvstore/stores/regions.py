@@ -18,6 +18,11 @@ copy is skipped and the next hit tries again), and only once the chunk has verif
 so a corrupt remote object is never copied. `kvstore:region_copies{region}` counts copies by source region.
 `get_located` tells the caller which region served a read; the engine counts `kvstore:region_hits` with it
 after the bytes have verified.
+
+Batches (`get_each_located`) keep the local region's GETs in flight together as its store does, then ask the
+remotes, one after the other, for what it lacked: each remote's GETs in flight together on one of its own
+threads, under the same shared deadline, asking the caller before each GET whether the key is still wanted
+(a request cannot use a chunk past its first miss).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from kvstore.layout import is_chunk_key
 from kvstore.metrics import EngineMetrics
 from kvstore.stores.base import Buffer, Data, ObjectInfo, ObjectStore
 
-__all__ = ["RegionalStore", "get_located"]
+__all__ = ["RegionalStore", "get_each_located", "get_located"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +55,22 @@ def get_located(store: ObjectStore, key: str) -> tuple[Buffer | None, str | None
     if isinstance(store, RegionalStore):
         return store.get_located(key)
     return store.get_chunk(key), None
+
+
+def get_each_located(
+    store: ObjectStore,
+    next_item: Callable[[], tuple[_T, str] | None],
+    on_object: Callable[[_T, Buffer | None, str | None], None],
+    *,
+    at_once: int,
+    wanted: Callable[[_T], bool] = lambda _tag: True,
+) -> None:
+    """`store.get_each` with the name of the region that answered each key (None for a single-region store).
+    ``wanted(tag)`` is asked before a remote region is asked for a key the local region lacked."""
+    if isinstance(store, RegionalStore):
+        store.get_each_located(next_item, on_object, at_once=at_once, wanted=wanted)
+    else:
+        store.get_each(next_item, lambda tag, blob: on_object(tag, blob, None), at_once=at_once)
 
 
 def _exists_many(store: ObjectStore, keys: Sequence[str]) -> list[bool]:
@@ -93,6 +114,7 @@ class RegionalStore(ObjectStore):
         if timeout_s <= 0 or cooldown_s <= 0 or workers < 1 or copy_workers < 1 or copy_queue_bytes < 0:
             raise ConfigError("regions: timeout, cooldown and worker counts must be positive")
         self._local = local
+        self.gets_many_at_once = local.gets_many_at_once  # batches go the local region's way
         self.local_name = local_name
         self._remotes = [_Remote(name, store, workers) for name, store in remotes]
         self._timeout = timeout_s
@@ -156,6 +178,94 @@ class RegionalStore(ObjectStore):
                 self._copy_later(key, found, remote.name)
                 return found, remote.name
         return None, None
+
+    @override
+    def get_each(
+        self,
+        next_item: Callable[[], tuple[_T, str] | None],
+        on_object: Callable[[_T, Buffer | None], None],
+        *,
+        at_once: int,
+    ) -> None:
+        self.get_each_located(next_item, lambda tag, blob, _region: on_object(tag, blob), at_once=at_once)
+
+    def get_each_located(
+        self,
+        next_item: Callable[[], tuple[_T, str] | None],
+        on_object: Callable[[_T, Buffer | None, str | None], None],
+        *,
+        at_once: int,
+        wanted: Callable[[_T], bool] = lambda _tag: True,
+    ) -> None:
+        """`get_each`, each answer with the region that had the key: the local region's answers as they
+        come, then what it lacked from the remotes (see the module's doc)."""
+        missed: list[tuple[_T, str]] = []
+
+        def next_local() -> tuple[tuple[_T, str], str] | None:
+            item = next_item()
+            return None if item is None else (item, item[1])
+
+        def on_local(item: tuple[_T, str], blob: Buffer | None) -> None:
+            tag, key = item
+            if blob is not None:
+                on_object(tag, blob, self.local_name)
+            elif self._remotes and is_chunk_key(key):
+                missed.append(item)
+            else:
+                on_object(tag, None, None)
+
+        self._local.get_each(next_local, on_local, at_once=at_once)
+        deadline = time.monotonic() + self._timeout
+        for n, remote in enumerate(self._remotes, start=1):
+            if not missed:
+                return
+            last = n == len(self._remotes)
+            missed = self._get_each_remote(remote, missed, on_object, at_once, wanted, deadline, last)
+        for tag, _key in missed:
+            on_object(tag, None, None)
+
+    def _get_each_remote(
+        self,
+        remote: _Remote,
+        items: list[tuple[_T, str]],
+        on_object: Callable[[_T, Buffer | None, str | None], None],
+        at_once: int,
+        wanted: Callable[[_T], bool],
+        deadline: float,
+        last: bool,
+    ) -> list[tuple[_T, str]]:
+        """Ask ``remote`` for ``items`` by ``deadline``. Its answers go to ``on_object`` as they come (so
+        ``wanted`` sees what they changed): its hits, and its misses when no region is left to ask. What
+        was not answered (a miss with regions left, a key not wanted or not asked in time) is returned."""
+        lock = threading.Lock()
+        ended = False  # set at the deadline: a late answer is dropped, not delivered after we returned
+        answered = [False] * len(items)
+        todo = iter(range(len(items)))
+
+        def next_item() -> tuple[int, str] | None:
+            for i in todo:
+                if ended:
+                    return None
+                if wanted(items[i][0]):
+                    return i, items[i][1]
+            return None
+
+        def on_answer(i: int, blob: Buffer | None) -> None:
+            if blob is None and not last:
+                return
+            tag, key = items[i]
+            with lock:
+                if ended:
+                    return
+                answered[i] = True
+                on_object(tag, blob, None if blob is None else remote.name)
+            if blob is not None:
+                self._copy_later(key, blob, remote.name)
+
+        self._ask(remote, deadline, lambda store: store.get_each(next_item, on_answer, at_once=at_once))
+        with lock:
+            ended = True
+        return [item for item, done in zip(items, answered, strict=True) if not done]
 
     @override
     def get(self, key: str) -> bytes | None:

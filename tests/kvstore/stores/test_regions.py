@@ -10,7 +10,7 @@ import contextlib
 import socket
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,7 +21,8 @@ from kvstore.chunk import HEADER_BLOCK, encode
 from kvstore.config import load_settings
 from kvstore.metrics import EngineMetrics
 from kvstore.runtime import open_object_store
-from kvstore.stores import RegionalStore, S3Options, S3Store, get_located
+from kvstore.stores import RegionalStore, S3Options, S3Store, get_each_located, get_located
+from kvstore.stores.base import Buffer
 from tests.helpers import FakeClock
 from tests.helpers import sample as strict_sample
 
@@ -243,6 +244,93 @@ def test_local_hits_never_touch_the_remote(
     assert proxy.connections == 0 and proxy.requests == 0
     assert regional.wait_copies(10)
     assert sample(metrics, "kvstore:region_copies_total", "eu") == 0
+
+
+def get_all_located(
+    store: RegionalStore,
+    keys: Sequence[str],
+    *,
+    at_once: int = 8,
+    wanted: Callable[[int], bool] = lambda _i: True,
+) -> dict[int, tuple[bytes | None, str | None]]:
+    """``get_each_located`` over ``keys``, tagged by position: each answer's bytes and region."""
+    todo = iter(enumerate(keys))
+    got: dict[int, tuple[bytes | None, str | None]] = {}
+
+    def keep(i: int, blob: Buffer | None, region: str | None) -> None:
+        assert i not in got  # one answer per key
+        got[i] = (None if blob is None else bytes(blob), region)
+
+    get_each_located(store, lambda: next(todo, None), keep, at_once=at_once, wanted=wanted)
+    return got
+
+
+def test_a_batch_asks_the_remote_only_for_what_the_local_region_lacks(
+    regional: RegionalStore, local: S3Store, remote: S3Store, proxy: TcpProxy, metrics: EngineMetrics
+) -> None:
+    here, both, far, far_too, nowhere = (chunk_key() for _ in range(5))
+    local.put(here, chunk(1, here))
+    local.put(both, chunk(2, both))
+    remote.put(both, chunk(3, both))
+    remote.put(far, chunk(4, far))
+    remote.put(far_too, chunk(5, far_too))
+    assert regional.gets_many_at_once  # an S3 local region: the batch's GETs go together
+    got = get_all_located(regional, [here, both, far, far_too, nowhere, "_meta/pins/p.json"])
+    assert got == {
+        0: (chunk(1, here), "local"),
+        1: (chunk(2, both), "local"),
+        2: (chunk(4, far), "eu"),
+        3: (chunk(5, far_too), "eu"),
+        4: (None, None),
+        5: (None, None),  # meta objects are never read from a remote
+    }
+    assert proxy.requests == 3  # far, far_too and nowhere: one GET each, nothing else
+    assert regional.wait_copies(30)
+    assert local.get(far) == chunk(4, far) and local.get(far_too) == chunk(5, far_too)
+    assert sample(metrics, "kvstore:region_copies_total", "eu") == 2
+
+
+def test_a_batch_asks_the_remote_nothing_its_caller_no_longer_wants(
+    regional: RegionalStore, remote: S3Store, proxy: TcpProxy
+) -> None:
+    """A chain of keys only in the remote but for a gap: nothing past the gap is asked of the remote once
+    the caller learns of the gap (as `ChainFetch` does: a request cannot use a chunk past its first miss)."""
+    keys = [chunk_key() for _ in range(6)]
+    for i, key in enumerate(keys):
+        if i != 2:
+            remote.put(key, chunk(i, key))
+    first_miss = [len(keys)]
+
+    def wanted(i: int) -> bool:
+        return i < first_miss[0]
+
+    todo = iter(enumerate(keys))
+    got: dict[int, tuple[bytes | None, str | None]] = {}
+
+    def keep(i: int, blob: Buffer | None, region: str | None) -> None:
+        got[i] = (None if blob is None else bytes(blob), region)
+        if blob is None:
+            first_miss[0] = min(first_miss[0], i)
+
+    get_each_located(regional, lambda: next(todo, None), keep, at_once=1, wanted=wanted)
+    assert got[0] == (chunk(0, keys[0]), "eu") and got[1] == (chunk(1, keys[1]), "eu")
+    assert [got[i] for i in range(2, 6)] == [(None, None)] * 4  # every key answered, the rest unasked
+    assert proxy.requests == 3
+
+
+def test_a_batch_with_a_slow_remote_ends_at_the_deadline(
+    regional: RegionalStore, local: S3Store, remote: S3Store, proxy: TcpProxy, metrics: EngineMetrics
+) -> None:
+    here, far = chunk_key(), chunk_key()
+    local.put(here, chunk(1, here))
+    remote.put(far, chunk(2, far))
+    proxy.delay = 30.0
+    assert get_all_located(regional, [here, far]) == {0: (chunk(1, here), "local"), 1: (None, None)}
+    assert regional.remote_available("eu") is False
+    assert sample(metrics, "kvstore:region_errors_total", "eu") == 1
+    asked = proxy.requests
+    assert get_all_located(regional, [far]) == {0: (None, None)}  # cooling down: not asked
+    assert proxy.requests == asked
 
 
 def test_writes_lists_deletes_and_meta_stay_local(
