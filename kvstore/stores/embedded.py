@@ -16,6 +16,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -51,6 +52,9 @@ _SHELL_S = 120.0  # one maintenance pass of `weed shell`, at most
 _PURGE_EVERY_S = 24 * 3600.0  # the orphan purge (`volume.fsck`) at most this often
 _PURGE_STAMP = "purge.stamp"  # in the data directory: when the last purge finished
 _PORT_TRIES = 3  # starts on freshly chosen ports before a port taken in between is an error
+_LOG_KEEP_BYTES = 32 << 20  # weed.log past this size is moved to weed.log.1 (the one before is dropped)
+_MASTER_DIR = re.compile(r"m(\d+)")  # weed/m<master port>: `weed mini`'s master state for that port
+_FSCK_SCRATCH = "sw_fsck*"  # what a `volume.fsck` pass writes in its -tempPath, left by one cut short
 
 
 def find_weed_binary() -> Path:
@@ -241,7 +245,8 @@ class SeaweedServer:
     def _launch(self, deadline: float) -> None:
         """Start weed on `self._ports` and wait until S3 serves; stopped again if it does not."""
         assert self._ports is not None
-        self._log = (self.data_dir / "weed.log").open("ab")
+        self._tidy(self._ports.by_flag["master.port"])
+        self._log = self.log_path.open("ab")
         self._launched_at_byte = self._log.tell()
         self._started_at = time.time()
         # A node's own server runs at idle CPU and I/O priority, like the node agent: the engines' work comes
@@ -269,6 +274,25 @@ class SeaweedServer:
         except BaseException:
             self.stop()
             raise
+
+    def _tidy(self, master_port: int) -> None:
+        """Remove what earlier runs left and no run reads again, before a launch (no weed runs on this
+        directory then): the master state of other master ports (`weed mini` keeps it in weed/m<port>, so
+        every start on new ports began a fresh one and left the last: hundreds after a few days of
+        benchmarks; the master learns the volumes again from the volume server), a maintenance pass's
+        scratch files, and all but the latest ``_LOG_KEEP_BYTES`` or so of weed.log."""
+        weed_dir = self.data_dir / "weed"
+        with contextlib.suppress(FileNotFoundError):
+            for entry in weed_dir.iterdir():
+                found = _MASTER_DIR.fullmatch(entry.name)
+                if found and int(found.group(1)) != master_port and entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+        for scratch in self.data_dir.glob(_FSCK_SCRATCH):
+            if self._shell is None:  # a pass of this handle's may still be writing it
+                shutil.rmtree(scratch, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            if self.log_path.stat().st_size > _LOG_KEEP_BYTES:
+                self.log_path.replace(self.log_path.with_name(self.log_path.name + ".1"))
 
     def _lost_a_port(self) -> bool:
         """Whether the latest launch met a port someone else holds (its log says so)."""

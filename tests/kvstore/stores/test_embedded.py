@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from kvstore.errors import StoreAuthError
-from kvstore.stores import S3Store, embedded_ports
+from kvstore.stores import S3Store, embedded, embedded_ports
 from kvstore.stores.embedded import SeaweedServer, ensure_embedded_server, find_weed_binary
 from tests.helpers import wait_for
 
@@ -102,6 +102,30 @@ def test_restart_keeps_ports_and_data(tmp_path: Path) -> None:
             assert store.get("a") == b"1"
     server.stop()  # stopping again (leaving the block stopped it) is harmless
     assert not server.running
+
+
+def test_a_start_removes_what_earlier_runs_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A master state per earlier master port, a cut maintenance pass's scratch, an overgrown log: gone at
+    the next start; the data and the current master's state stay."""
+    monkeypatch.setattr(embedded, "_LOG_KEEP_BYTES", 1024)
+    data = tmp_path / "sw"
+    with SeaweedServer(data) as server, server.store("tidy") as store:
+        store.create_bucket()
+        store.put("a", b"1")
+        current = data / "weed" / f"m{server.ports['master.port']}"
+        assert current.is_dir()
+        stale = data / "weed" / "m12345"
+        (stale / "log").mkdir(parents=True)
+        (data / "sw_fsck42").mkdir()
+        (data / "weed" / "mine").mkdir()  # not a master's: left alone
+        with server.log_path.open("ab") as log:
+            log.write(b"old line\n" * 200)
+        server.restart()
+        assert not stale.exists() and not (data / "sw_fsck42").exists()
+        assert current.is_dir() and (data / "weed" / "mine").is_dir()
+        assert b"old line" in (data / "weed.log.1").read_bytes()
+        assert b"old line" not in server.log_path.read_bytes()
+        assert store.get("a") == b"1"
 
 
 def test_a_port_taken_before_weed_binds_it_means_other_ports(
