@@ -11,10 +11,11 @@ import httpx
 import pytest
 
 from kvstore.config import load_settings
-from kvstore.connector.demo.run import DemoOptions, DemoReport, _phases, run_demo
+from kvstore.connector.demo.run import DEMO_PREFIX, DemoOptions, DemoReport, _phases, run_demo
 from kvstore.connector.harness.engine_runner import new_shm, shm_snapshot
 from kvstore.connector.harness.multiturn import TurnRecord
 from kvstore.engine.timeline import Timeline
+from kvstore.runtime import open_object_store
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
@@ -73,6 +74,12 @@ def test_demo_runs_everything_and_leaves_nothing(data_dir: Path) -> None:
         seen["processes"] = len(_processes_under(data_dir))
 
     settings = load_settings(data_dir=data_dir)
+    earlier = "ns_x_r0/abc/00_g0/left-by-an-earlier-run.bin"
+    store, server = open_object_store(settings, subprefix=DEMO_PREFIX)
+    store.put(earlier, b"an earlier demo's chunk")
+    store.close()
+    assert server is not None
+    server.stop()
     report = run_demo(settings, SMALL, say=lambda _: None, hold=while_up)
 
     assert seen["stats_keys"] > 0 and seen["processes"] >= 2  # weed + vLLM were running
@@ -95,6 +102,14 @@ def test_demo_runs_everything_and_leaves_nothing(data_dir: Path) -> None:
     got = phases["all GETs returned"]
     assert 0 < got.start_ms <= got.end_ms <= report.new_node_hit_s * 1000
 
+    store, server = open_object_store(settings, subprefix=DEMO_PREFIX)
+    try:
+        assert store.get(earlier) is None  # earlier runs' objects do not pile up on the node's own server
+        assert any(True for _ in store.list())  # this run's stay, for the next run (or the user) to see
+    finally:
+        store.close()
+        assert server is not None
+        server.stop()
     assert _processes_under(data_dir) == []
     assert not new_shm(shm_before)
 
