@@ -240,6 +240,14 @@ def test_a_nodes_own_server_runs_at_idle_priority_a_plain_one_does_not(tmp_path:
         assert sched_idle not in policies(service.pid)
 
 
+def test_the_servers_go_runtime_keeps_its_memory_for_the_next_requests(tmp_path: Path) -> None:
+    """No collection below a memory limit (see `embedded._GO_RUNTIME`): what weed's environment says."""
+    with SeaweedServer(tmp_path / "sw") as server:
+        environ = Path(f"/proc/{server.pid}/environ").read_bytes().split(b"\0")
+        assert b"GOGC=off" in environ
+        assert any(line.startswith(b"GOMEMLIMIT=") and line.endswith(b"MiB") for line in environ)
+
+
 def test_the_orphan_purge_runs_at_most_once_a_day(tmp_path: Path) -> None:
     """It walks every entry of the filer (at every start it would cost a big bucket minutes of CPU): a start
     within a day of the last purge only compacts."""
@@ -280,7 +288,17 @@ def test_only_the_s3_port_answers_without_the_servers_keys(
         assert server.pid is not None
         environ = Path(f"/proc/{server.pid}/environ").read_bytes().split(b"\0")
         names = {entry.split(b"=", 1)[0].decode() for entry in environ if entry}
-        assert names <= {"PATH", "LANG", "LC_ALL", "TZ", "HOME", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+        assert names <= {
+            "PATH",
+            "LANG",
+            "LC_ALL",
+            "TZ",
+            "HOME",
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "GOGC",
+            "GOMEMLIMIT",
+        }
         assert b"admin-token-never-in-weed" not in b"\0".join(environ)
         assert stat.S_IMODE((tmp_path / "sw").stat().st_mode) == 0o700
 
