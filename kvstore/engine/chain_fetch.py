@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 from kvstore.engine import io
@@ -23,8 +22,7 @@ from kvstore.engine.outcomes import Outcomes
 from kvstore.engine.prefetch import PrefetchBuffer
 from kvstore.engine.timeline import GET_RETURNED, Timeline
 from kvstore.errors import StoreError
-from kvstore.stores import ObjectStore, get_each_located
-from kvstore.stores.base import Buffer
+from kvstore.stores import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -108,20 +106,14 @@ class ChainFetch:
             self._fetched(c, rank, io.fetch(store, self.chains[c][rank]))
 
     def _get_each(self, store: ObjectStore, at_once: int) -> None:
-        started: dict[tuple[int, int], float] = {}
-
         def next_item() -> tuple[tuple[int, int], str] | None:
             at = self._next()
-            if at is None:
-                return None
-            started[at] = time.perf_counter()
-            return at, self.chains[at[0]][at[1]]
+            return None if at is None else (at, self.chains[at[0]][at[1]])
 
-        def on_object(at: tuple[int, int], blob: Buffer | None, region: str | None) -> None:
-            c, rank = at
-            self._fetched(c, rank, io.checked(self.chains[c][rank], blob, region, started.pop(at)))
+        def on_fetched(at: tuple[int, int], fetched: io.Fetched) -> None:
+            self._fetched(*at, fetched)
 
-        get_each_located(store, next_item, on_object, at_once=at_once, wanted=self._wanted)
+        io.fetch_as_they_come(store, next_item, on_fetched, at_once=at_once, wanted=self._wanted)
 
     def _runner(self, get: Callable[[ObjectStore], None]) -> None:
         store = self._outcomes.store

@@ -11,11 +11,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvstore.cache import CachedChunk, NVMeCache, StagedFile
 from kvstore.chunk import Buffer, ChunkHeader, Codec, decode_into, encode, payload_of, unpack_verified, verify
 from kvstore.errors import CacheError, ChunkError, ChunkUnreadable, StoreError
 from kvstore.stores import ObjectStore, get_each_located, get_located
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,23 +45,41 @@ def fetch(store: ObjectStore, key: str) -> Fetched:
     return checked(key, blob, region, start)
 
 
-def fetch_each(store: ObjectStore, keys: Sequence[str], *, at_once: int) -> list[Fetched]:
-    """`fetch` of every key, ``at_once`` GETs in flight together on the calling thread (for a store whose
-    ``gets_many_at_once``); in the keys' order."""
-    todo = iter(enumerate(keys))
-    started: dict[int, float] = {}
-    out: list[Fetched | None] = [None] * len(keys)
+def fetch_as_they_come(
+    store: ObjectStore,
+    next_item: Callable[[], tuple[_T, str] | None],
+    on_fetched: Callable[[_T, Fetched], None],
+    *,
+    at_once: int,
+    wanted: Callable[[_T], bool] = lambda _tag: True,
+) -> None:
+    """`fetch` of the key of every ``(tag, key)`` that ``next_item`` hands out, ``at_once`` GETs in flight
+    together on the calling thread (for a store whose ``gets_many_at_once``); each result to ``on_fetched``
+    with its tag as it comes. ``wanted``: see `get_each_located`."""
+    started: dict[_T, tuple[str, float]] = {}
 
-    def next_item() -> tuple[int, str] | None:
-        item = next(todo, None)
+    def next_timed() -> tuple[_T, str] | None:
+        item = next_item()
         if item is not None:
-            started[item[0]] = time.perf_counter()
+            started[item[0]] = (item[1], time.perf_counter())
         return item
 
-    def on_object(i: int, blob: Buffer | None, region: str | None) -> None:
-        out[i] = checked(keys[i], blob, region, started.pop(i))
+    def on_object(tag: _T, blob: Buffer | None, region: str | None) -> None:
+        key, start = started.pop(tag)
+        on_fetched(tag, checked(key, blob, region, start))
 
-    get_each_located(store, next_item, on_object, at_once=at_once)
+    get_each_located(store, next_timed, on_object, at_once=at_once, wanted=wanted)
+
+
+def fetch_each(store: ObjectStore, keys: Sequence[str], *, at_once: int) -> list[Fetched]:
+    """`fetch_as_they_come` of ``keys``, the results in the keys' order."""
+    todo = iter(enumerate(keys))
+    out: list[Fetched | None] = [None] * len(keys)
+
+    def keep(i: int, fetched: Fetched) -> None:
+        out[i] = fetched
+
+    fetch_as_they_come(store, lambda: next(todo, None), keep, at_once=at_once)
     return [f if f is not None else Fetched(key, None) for key, f in zip(keys, out, strict=True)]
 
 
