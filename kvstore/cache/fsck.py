@@ -127,6 +127,9 @@ def check(
 ) -> tuple[FsckReport, list[str]]:
     """Run fsck; returns the report and the keys whose entries a repair removed."""
     check_chunk = verify_chunk or _default_verifier()
+    # A commit a killed writer left unpublished would otherwise make its file look like an orphan, deleted
+    # by a repair just before the commit shows (the next write publishes it): an entry without its file.
+    index.catch_up()
     disk = {f.name: f for f in files.scan()}
     young_after = time.time_ns() - int(orphan_min_age_s * 1e9)
 
