@@ -84,15 +84,6 @@ class CacheIndex:
     # -- reads -------------------------------------------------------------------------------------------
 
     @translate
-    def catch_up(self) -> None:
-        """Make every commit visible to this process's reads. LMDB publishes a commit to readers after
-        writing it, so a writer killed in between leaves its last commit unseen until the next writer takes
-        the write lock (and recovers it from the dead owner); an empty write transaction is that writer."""
-        s = self._db()
-        with s.env.begin(write=True):
-            pass
-
-    @translate
     def get(self, key: str) -> Entry | None:
         s = self._db()
         with s.env.begin() as txn:
@@ -164,6 +155,15 @@ class CacheIndex:
         return rows
 
     # -- writes ------------------------------------------------------------------------------------------
+
+    @translate
+    def catch_up(self) -> None:
+        """Make every commit visible to this process's reads. LMDB publishes a commit to readers after
+        writing it, so a writer killed in between leaves its last commit unseen until the next writer takes
+        the write lock (and recovers it from the dead owner); an empty write transaction is that writer."""
+        s = self._db()
+        with s.env.begin(write=True):
+            pass
 
     def admit(self, key: str, entry: Entry, budget: int, touches: Mapping[str, int]) -> Admission:
         """In ONE write transaction: apply buffered touches, insert ``entry`` and evict LRU victims until
