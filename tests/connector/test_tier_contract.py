@@ -245,7 +245,11 @@ def test_a_short_tail_is_asked_of_this_node_only_when_configured(
         return answers, asked
 
     assert tail_lookups(1 << 20, "on") == ([LookupResult.MISS, LookupResult.MISS], 0)
-    assert tail_lookups(0, "off") == ([LookupResult.HIT, LookupResult.MISS], 2)
+    answers, asked = tail_lookups(0, "off")
+    assert answers == [LookupResult.HIT, LookupResult.MISS]
+    # The bucket was asked about both. Not "exactly 2": on a loaded machine a GET past its attempt deadline is
+    # asked again (CI once counted 3); one GET per key is guarded by test_tiered.py's exact counts.
+    assert asked >= 2
 
 
 def test_a_new_turn_is_not_held_for_the_bucket_and_its_answer_still_counts(

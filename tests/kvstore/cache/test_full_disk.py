@@ -115,9 +115,9 @@ def test_a_disk_smaller_than_the_budget_keeps_caching(
 
 
 def _fill_disk(mount: Path) -> Path:
-    """Another file takes every byte left on the disk."""
+    """Another file takes every byte left on the disk (growing, if it is there already)."""
     hog = mount / "hog"
-    fd = os.open(hog, os.O_WRONLY | os.O_CREAT, 0o600)
+    fd = os.open(hog, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     block = b"\0" * (64 << 10)
     try:
         while True:
@@ -134,9 +134,9 @@ def _fill_disk(mount: Path) -> Path:
 
 
 def test_a_disk_another_file_filled_recovers(small_disk: Path) -> None:
-    """Another file fills the disk to the last byte: the cache still opens, its agent starts and evicts,
-    stores become misses instead of raising, and once the other file goes the node caches again (before:
-    "not usable: No space left on device", and eviction failed at LMDB's commit, for good)."""
+    """Another file fills the disk to the last byte: stores become misses instead of raising, the cache still
+    opens, its agent starts and evicts, and once the other file goes the node caches again (before: "not
+    usable: No space left on device", and eviction failed at LMDB's commit, for good)."""
     directory = small_disk / "cache"
     with NVMeCache(directory, 50 << 30) as cache:
         engine = TieredStore(None, cache, threads=EngineThreads(disk_workers=2))  # no store: no uploads
@@ -146,7 +146,14 @@ def test_a_disk_another_file_filled_recovers(small_disk: Path) -> None:
             assert engine.store_many([(k, payload(first + i)) for i, k in enumerate(batch)]).written == 8
         hog = _fill_disk(small_disk)
         assert _space(small_disk)[0] < 4096
+        during = keys(8, "during")
+        outcome = engine.store_many([(k, payload(100 + i)) for i, k in enumerate(during)])
+        assert outcome.written + outcome.failed == 8, "misses or stores, never an exception"
 
+        # The stores' own evictions gave room back; the other file takes it. With the disk full the cache is
+        # over its budget (what it holds plus the free space, less a reserve), so the agent must evict.
+        _fill_disk(small_disk)
+        assert _space(small_disk)[0] < 4096
         NVMeCache(directory, 50 << 30).close()  # another process's open (its own probe) works
         agent = NodeAgent(
             cache,
@@ -158,9 +165,6 @@ def test_a_disk_another_file_filled_recovers(small_disk: Path) -> None:
         )
         agent.start()  # its status file needs a page, which the cache's ballast gave back
         try:
-            during = keys(8, "during")
-            outcome = engine.store_many([(k, payload(100 + i)) for i, k in enumerate(during)])
-            assert outcome.written + outcome.failed == 8, "misses or stores, never an exception"
             wait_for(
                 lambda: cache.used_bytes() <= 0.9 * cache.effective_budget() and _space(small_disk)[0] > 0,
                 what="the agent to evict down to what the other file leaves",
