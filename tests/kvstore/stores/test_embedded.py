@@ -331,7 +331,8 @@ def test_only_the_s3_port_answers_without_the_servers_keys(
             outside.mkdir()
             try:
                 shell = subprocess.run(
-                    [str(find_weed_binary()), "shell", f"-master={master_grpc}"],
+                    # -logtostderr: no glog file in /tmp, where a test beside this one looks for litter
+                    [str(find_weed_binary()), "-logtostderr", "shell", f"-master={master_grpc}"],
                     input="fs.ls /buckets/door\n",
                     capture_output=True,
                     text=True,
