@@ -33,9 +33,8 @@ import weakref
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 
-import numpy as np
-
 from kvstore.errors import BucketNotFound, StoreAuthError, StoreError, StoreUnavailable
+from kvstore.stores.buffers import aligned_buffer
 
 __all__ = [
     "MAX_OBJECT_BYTES",
@@ -43,7 +42,6 @@ __all__ = [
     "ObjectGetter",
     "RetryableError",
     "Unsupported",
-    "aligned_buffer",
     "parse_head",
 ]
 
@@ -52,7 +50,6 @@ __all__ = [
 MAX_OBJECT_BYTES = 1 << 30
 _MAX_HEAD_BYTES = 64 << 10  # status line and headers; S3 sends a few hundred bytes
 _HEAD_READ = 4096
-_ALIGN = 4096  # O_DIRECT's unit
 _MAX_ERROR_BODY = 64 << 10
 _UNSIGNED = "UNSIGNED-PAYLOAD"  # chunks carry their own checksum; and a GET has no payload
 _SIGNED_HEADERS = "host;x-amz-content-sha256;x-amz-date"
@@ -400,14 +397,6 @@ def parse_head(head: bytes, where: str) -> tuple[int, int | None, bool]:
             length = None  # chunked: this client does not read it (S3 GETs announce their length)
             close = True
     return int(status_line[1]), length, close
-
-
-def aligned_buffer(length: int) -> memoryview:
-    """An uninitialised buffer whose first byte is on a 4 KiB boundary: a chunk's payload then sits where
-    O_DIRECT takes it, so admitting a fetched chunk to NVMe writes it as it came, with no staging copy."""
-    block = np.empty(length + _ALIGN - 1, dtype=np.uint8)  # not zeroed: the reader writes every byte
-    skip = -block.ctypes.data % _ALIGN
-    return block[skip : skip + length].data
 
 
 def _settimeout(sock: socket.socket, deadline: float) -> None:

@@ -31,7 +31,8 @@ from typing import Any, Generic, TypeVar
 
 from kvstore.errors import StoreError, StoreUnavailable
 from kvstore.stores.base import Buffer
-from kvstore.stores.s3_get import MAX_OBJECT_BYTES, ObjectGetter, RetryableError, aligned_buffer, parse_head
+from kvstore.stores.buffers import aligned_buffer
+from kvstore.stores.s3_get import MAX_OBJECT_BYTES, ObjectGetter, RetryableError, parse_head
 
 __all__ = ["ManyGets"]
 

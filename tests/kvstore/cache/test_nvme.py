@@ -633,7 +633,7 @@ def test_a_whole_chunk_in_one_aligned_buffer_is_written_as_it_is(
     # A verified GET's body (4 KiB-aligned, as the S3 clients allocate it) goes to disk with no staging copy;
     # an unaligned one is staged. Both read back exact.
     from kvstore.cache import files
-    from kvstore.stores.s3_get import aligned_buffer
+    from kvstore.stores.buffers import aligned_buffer
 
     assert cache.direct_io
     staged: list[int] = []

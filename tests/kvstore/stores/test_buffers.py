@@ -1,0 +1,69 @@
+import gc
+import os
+
+import numpy as np
+import pytest
+
+from kvstore.stores.buffers import BufferPool, aligned_buffer
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+@pytest.mark.parametrize("length", [0, 100, 4096, 64 * 1024, 2 * 1024 * 1024 + 4096, 3 * 1024 * 1024 + 7])
+def test_a_buffer_is_aligned_writable_and_as_long_as_asked(length: int) -> None:
+    body = aligned_buffer(length)
+    assert len(body) == length and not body.readonly
+    if length:
+        assert _address(body) % 4096 == 0
+        body[:] = os.urandom(length)
+        body[-1] = 7
+        assert body[-1] == 7
+
+
+def test_memory_comes_back_only_when_the_last_view_of_it_is_gone() -> None:
+    pool = BufferPool()
+    first = pool.take(256 * 1024)
+    first[:] = b"\1" * len(first)
+    address = _address(first)
+    payload = first[4096:]  # what a verified chunk hands on: a view into the body
+    del first
+    gc.collect()
+    second = pool.take(256 * 1024)  # the first one's payload is alive: its memory is not handed out
+    assert _address(second) != address and pool.free_bytes == 0
+    assert bytes(payload) == b"\1" * (256 * 1024 - 4096)
+    del payload
+    assert pool.free_bytes == 256 * 1024
+    third = pool.take(256 * 1024 - 5)  # the same size class: the memory comes back, nothing is faulted in
+    assert _address(third) == address and pool.free_bytes == 0
+
+
+def test_the_free_memory_is_bounded_and_the_size_in_use_wins() -> None:
+    pool = BufferPool(max_free_bytes=1 << 20)
+    held = [pool.take(256 * 1024) for _ in range(6)]
+    del held
+    assert pool.free_bytes == 1 << 20  # four of six kept, two unmapped
+    larger = pool.take(512 * 1024)  # another size class is never served a smaller buffer
+    address = _address(larger)
+    del larger  # ... and when it comes back, two of the older size make room for it
+    assert pool.free_bytes == 1 << 20
+    again = pool.take(512 * 1024)
+    assert _address(again) == address and pool.free_bytes == 512 * 1024
+
+
+def test_a_forked_child_starts_with_no_free_memory() -> None:
+    from kvstore.stores import buffers
+
+    aligned_buffer(128 * 1024)  # dies at once: its memory is on the process's free list
+    assert buffers._POOL.free_bytes >= 128 * 1024
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(write, str(buffers._POOL.free_bytes).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 64) == b"0"
+    os.close(read)
+    assert buffers._POOL.free_bytes >= 128 * 1024
