@@ -221,9 +221,11 @@ class KVStoreTier(SecondaryTierManager):
             chunk = self._chunk_keys[key] = self.namespace.chunk_key(key)
         found = self._lookup_cached(chunk)
         if found is _PENDING:
+            probed = not self._needs_probe(chunk)
+            if probed and self._unheld_tail.waiting_in_step(req_context.req_id):
+                return _RETRY  # the hot case: a request waiting on its probe, looked up again every step
             position = req_context.get_offload_key_position(key)
             # Probed as one batch at the end of the step, per request and group in lookup order.
-            probed = not self._needs_probe(chunk)
             if not probed:
                 self._unprobed.append(UnknownChunk(req_context.req_id, key[-4:], position, chunk))
             if self._unheld_tail.answer_at_once(req_context, position, probed=probed):

@@ -53,6 +53,13 @@ class UnheldTail:
         self._retried[req_id] = at if retried is None else min(retried, at)
         return False
 
+    def waiting_in_step(self, req_id: str) -> bool:
+        """Whether a chunk of the request was answered RETRY in this step already. Then another chunk the
+        probe is asking about is RETRY too, and recording it changes nothing that `answer_at_once` decides
+        later in the step: vLLM looks a group's chunks up in one direction (forward, or backward for sliding
+        windows), so the chunks after it in that order are all beyond, or all before, what is recorded."""
+        return req_id in self._retried
+
     def end_of_step(self) -> None:
         """vLLM looks a deferred request up again from its beginning in the next step."""
         self._retried.clear()

@@ -299,6 +299,34 @@ def test_a_new_turn_is_not_held_for_the_bucket_and_its_answer_still_counts(
     assert later == [LookupResult.HIT, LookupResult.MISS]
 
 
+def test_a_new_tail_after_chunks_the_probe_is_still_asking_about_waits_with_them(
+    s3_env: None, s3_store: ObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new node: one request's eight chunks went to the probe, whose answers are not back; the next turn
+    (the same eight and two new) is looked up meanwhile. Its new tail is RETRY with the history, not a miss
+    at once: the request waits for the history it can load. (The history's chunks are answered on the
+    lookup's fast path, which must still record that the request waits.)"""
+    reader = standalone_tier(
+        options(s3_store, tmp_path / "c", no_wait_tail_tokens=1 << 20), chunk_bytes=CHUNK, num_chunks=4
+    )
+    tier, engine = reader.tier, reader.tier._engine
+    asked = engine._prober._asked
+
+    def probe_never_answering(chains: list[list[str]], *, node_only: list[list[str]]) -> None:
+        asked.update((key, time.monotonic()) for chain in [*chains, *node_only] for key in chain)
+
+    monkeypatch.setattr(engine, "probe_prefixes", probe_never_answering)
+    keys = [okey(70 + i) for i in range(10)]
+    turns = [ReqContext(req_id="turn-1"), ReqContext(req_id="turn-2")]
+    for turn, length in zip(turns, (8, 10), strict=True):
+        for i, key in enumerate(keys[:length]):
+            turn.set_offload_key_position(key, (i + 1) * tier._chunk_tokens)
+    assert [tier.lookup(key, turns[0]) for key in keys[:8]] == [LookupResult.RETRY] * 8
+    tier.on_schedule_end(None)  # type: ignore[arg-type]
+    assert [tier.lookup(key, turns[1]) for key in keys] == [LookupResult.RETRY] * 10
+    reader.close()
+
+
 def test_keys_waiting_on_a_probe_are_not_asked_again_every_step(
     s3_env: None, s3_store: ObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
