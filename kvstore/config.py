@@ -217,6 +217,9 @@ class DataPathSettings(_Group):
     # O_DIRECT for chunk files: the page cache never holds a second copy of NVMe-resident chunks. Falls back
     # to buffered I/O where the filesystem refuses it (ramfs, older tmpfs); false forces buffered I/O.
     direct_io: bool = True
+    # With direct_io: O_DIRECT for chunk writes too. False: stores go through the page cache (the kernel
+    # writes them back; the page cache holds them until then) and loads stay O_DIRECT.
+    direct_writes: bool = True
     # How long a load waits for the object store before its missing chunks count as misses.
     load_timeout_s: float = 5.0
     probe_hit_ttl_s: float = 600.0

@@ -281,7 +281,12 @@ def open_cache(settings: Settings) -> NVMeCache:
 
     private_dir(settings.cache_dir)
     migrate(cache_dir=settings.cache_dir)
-    cache = NVMeCache(settings.cache_dir, settings.cache_bytes, direct_io=settings.direct_io)
+    cache = NVMeCache(
+        settings.cache_dir,
+        settings.cache_bytes,
+        direct_io=settings.direct_io,
+        direct_writes=settings.direct_writes,
+    )
     make_private(settings.cache_dir)  # one an older release made, and the index LMDB just created
     return cache
 

@@ -25,7 +25,9 @@ node's NVMe cache does not double the RAM that vLLM's CPU tier already spends on
 filesystem refuses O_DIRECT (tmpfs, some overlay and network filesystems) a probe at start-up finds out once
 and every file uses buffered I/O instead. O_DIRECT needs every buffer aligned to 4 KiB in address and length;
 a buffer that is not (a header held in a ``bytes``, an odd-sized tail) goes through a small per-thread
-aligned buffer instead.
+aligned buffer instead. With ``direct_writes`` off, files are written through the page cache and read with
+O_DIRECT still (the kernel writes a file's dirty pages back before a direct read of them): on a disk whose
+direct writes are slow and whose RAM is plenty, a store returns once its bytes are in memory.
 """
 
 from __future__ import annotations
@@ -133,10 +135,12 @@ class ChunkFiles:
         *,
         fsync: bool = False,
         direct_io: bool = True,
+        direct_writes: bool = True,
         repair: bool = False,
     ):
-        """``repair``: open to check and repair only (fsck), which must work on a full disk: no probe file is
-        written and reads are buffered."""
+        """``direct_writes`` False: files are written through the page cache (the kernel writes them back) and
+        still read with O_DIRECT where ``direct_io`` allows it. ``repair``: open to check and repair only
+        (fsck), which must work on a full disk: no probe file is written and reads are buffered."""
         self.root = Path(directory)
         self._root_str = str(self.root)
         self.fsync = fsync
@@ -151,6 +155,7 @@ class ChunkFiles:
             self._chunks.mkdir(mode=_DIR_MODE, exist_ok=True)
             self._writers.mkdir(mode=_DIR_MODE, exist_ok=True)
             self.direct_io = False if repair else self._probe(direct_io)
+            self.direct_writes = self.direct_io and direct_writes
         except OSError as exc:
             raise CacheError(
                 f"cache directory {str(self.root)!r} is not usable: {exc.strerror or exc}"
@@ -222,7 +227,7 @@ class ChunkFiles:
         tmp = f"{folder}/.{self._pid}.{name}{TMP_SUFFIX}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         iov: Sequence[Buffer] = parts
-        if self.direct_io:
+        if self.direct_writes:
             flags |= O_DIRECT
             iov = self._aligned_iov(parts)
         try:
@@ -234,11 +239,11 @@ class ChunkFiles:
                     os.mkdir(folder, _DIR_MODE)
                 fd = os.open(tmp, flags, _FILE_MODE)
             except OSError as exc:
-                if not (self.direct_io and exc.errno == errno.EINVAL):
+                if not (self.direct_writes and exc.errno == errno.EINVAL):
                     raise
                 # The probe could not tell (a full disk at start): this filesystem refuses O_DIRECT.
                 log.warning("%s refuses O_DIRECT: chunk files use buffered I/O", self.root)
-                self.direct_io = False
+                self.direct_io = self.direct_writes = False
                 flags &= ~O_DIRECT
                 iov = parts
                 fd = os.open(tmp, flags, _FILE_MODE)

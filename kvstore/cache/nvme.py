@@ -86,7 +86,8 @@ class NVMeCache:
     ``fsync`` makes each file durable before its index entry is committed (off by default: a file torn by a
     power loss fails its checksum on read and becomes a miss). ``index_sync`` is LMDB's own commit fsync.
     ``change_log_max`` bounds the node's change log (every process's commits keep it there).
-    ``direct_io`` uses O_DIRECT where the filesystem allows it; ``repair`` opens for fsck only (it works on a
+    ``direct_io`` uses O_DIRECT where the filesystem allows it (for reads alone with ``direct_writes``
+    False); ``repair`` opens for fsck only (it works on a
     full disk: nothing is written to open it).
     """
 
@@ -98,6 +99,7 @@ class NVMeCache:
         fsync: bool = False,
         index_sync: bool = True,
         direct_io: bool = True,
+        direct_writes: bool = True,
         repair: bool = False,
         map_size: int = DEFAULT_MAP_SIZE,
         max_readers: int = 512,
@@ -109,7 +111,9 @@ class NVMeCache:
             raise ConfigError(f"cache_bytes must be a positive number of bytes, got {budget_bytes!r}")
         self.directory = os.fspath(directory)
         self.budget_bytes = budget_bytes
-        self._files = ChunkFiles(directory, fsync=fsync, direct_io=direct_io, repair=repair)
+        self._files = ChunkFiles(
+            directory, fsync=fsync, direct_io=direct_io, direct_writes=direct_writes, repair=repair
+        )
         self._index = CacheIndex(
             directory,
             map_size=map_size,

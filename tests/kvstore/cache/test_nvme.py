@@ -627,6 +627,29 @@ def test_direct_io_can_be_turned_off(cache_dir: Path) -> None:
         assert admit(cache, k(1), b"buffered") and read_chunk(cache, k(1)) == b"buffered"
 
 
+def test_writes_can_go_through_the_page_cache_while_reads_stay_direct(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvstore.cache import files
+
+    staged: list[int] = []
+    real_staged = files.ChunkFiles._staged
+    monkeypatch.setattr(
+        files.ChunkFiles,
+        "_staged",
+        lambda self, views, total: staged.append(total) or real_staged(self, views, total),
+    )
+    raw = os.urandom(64 * 1024 + 5)
+    with NVMeCache(cache_dir, 10**8, direct_writes=False) as cache:
+        assert cache.direct_io  # reads
+        whole = encode(k(1), raw).to_bytes()
+        unaligned = memoryview(bytearray(len(whole) + 1))[1:]
+        unaligned[:] = whole
+        cache.commit([cache.write_file(verify(k(1), unaligned), [unaligned])])
+        assert staged == []  # written as it is: no O_DIRECT, no aligned copy
+        assert read_chunk(cache, k(1)) == raw
+
+
 def test_a_whole_chunk_in_one_aligned_buffer_is_written_as_it_is(
     cache: NVMeCache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
