@@ -87,8 +87,7 @@ class NVMeCache:
     power loss fails its checksum on read and becomes a miss). ``index_sync`` is LMDB's own commit fsync.
     ``change_log_max`` bounds the node's change log (every process's commits keep it there).
     ``direct_io`` uses O_DIRECT where the filesystem allows it (for reads alone with ``direct_writes``
-    False); ``repair`` opens for fsck only (it works on a
-    full disk: nothing is written to open it).
+    False); ``repair`` opens for fsck only (it works on a full disk: nothing is written to open it).
     """
 
     def __init__(
