@@ -627,18 +627,24 @@ def test_direct_io_can_be_turned_off(cache_dir: Path) -> None:
         assert admit(cache, k(1), b"buffered") and read_chunk(cache, k(1)) == b"buffered"
 
 
-def test_writes_can_go_through_the_page_cache_while_reads_stay_direct(
-    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def staged(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the writes that went through the aligned staging copy (O_DIRECT, a buffer it refuses)."""
     from kvstore.cache import files
 
-    staged: list[int] = []
+    totals: list[int] = []
     real_staged = files.ChunkFiles._staged
     monkeypatch.setattr(
         files.ChunkFiles,
         "_staged",
-        lambda self, views, total: staged.append(total) or real_staged(self, views, total),
+        lambda self, views, total: totals.append(total) or real_staged(self, views, total),
     )
+    return totals
+
+
+def test_writes_can_go_through_the_page_cache_while_reads_stay_direct(
+    cache_dir: Path, staged: list[int]
+) -> None:
     raw = os.urandom(64 * 1024 + 5)
     with NVMeCache(cache_dir, 10**8, direct_writes=False) as cache:
         assert cache.direct_io  # reads
@@ -650,22 +656,12 @@ def test_writes_can_go_through_the_page_cache_while_reads_stay_direct(
         assert read_chunk(cache, k(1)) == raw
 
 
-def test_a_whole_chunk_in_one_aligned_buffer_is_written_as_it_is(
-    cache: NVMeCache, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_whole_chunk_in_one_aligned_buffer_is_written_as_it_is(cache: NVMeCache, staged: list[int]) -> None:
     # A verified GET's body (4 KiB-aligned, as the S3 clients allocate it) goes to disk with no staging copy;
     # an unaligned one is staged. Both read back exact.
-    from kvstore.cache import files
     from kvstore.stores.buffers import aligned_buffer
 
     assert cache.direct_io
-    staged: list[int] = []
-    real_staged = files.ChunkFiles._staged
-    monkeypatch.setattr(
-        files.ChunkFiles,
-        "_staged",
-        lambda self, views, total: staged.append(total) or real_staged(self, views, total),
-    )
     raw = os.urandom(64 * 1024 + 5)
     whole = encode(k(1), raw).to_bytes()
     body = aligned_buffer(len(whole))
