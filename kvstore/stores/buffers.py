@@ -5,7 +5,8 @@ a quarter of the GET's process CPU on this repository's bench machine (loopback 
 flight: 2.2 ms against 1.6-1.7 ms per GET with memory used again, research run of 2026-12-05). So a buffer's
 memory goes back to a free list when the last view of it dies (the chunk was loaded, admitted or dropped),
 and the next GET of that size class writes into pages already mapped. The free list is bounded; what does
-not fit is unmapped.
+not fit is unmapped, and so is all of it once the pool has gone unused for a while (a burst of GETs is over:
+its memory should not stay with vLLM's process until the next one).
 
 The memory is a private anonymous mapping: page-aligned (where O_DIRECT takes it, so admitting a fetched
 chunk to NVMe writes it as it came) and not shared with a forked child, which starts with an empty list.
@@ -16,7 +17,9 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 
@@ -26,15 +29,26 @@ _PAGE = 4096  # O_DIRECT's unit, and mmap's
 _SIZE_CLASS = 64 << 10  # compressed chunks vary in length: buffers are kept by 64 KiB size class
 _MIN_POOLED = 64 << 10  # below this a page fault or two is all a fresh buffer costs
 _MAX_FREE_BYTES = 256 << 20  # free memory kept: what the prefetch buffer holds at most by default
+_IDLE_S = 30.0  # unused this long, the free memory goes: refaulting it costs ~1 ms of CPU per MiB here
 
 
 class BufferPool:
     """Aligned buffers whose memory returns to a bounded free list when their last view is gone."""
 
-    def __init__(self, max_free_bytes: int = _MAX_FREE_BYTES) -> None:
+    def __init__(
+        self,
+        max_free_bytes: int = _MAX_FREE_BYTES,
+        *,
+        idle_s: float = _IDLE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._max_free = max_free_bytes
+        self._idle_s = idle_s
+        self._clock = clock
         self._free: dict[int, list[mmap.mmap]] = {}  # size class -> mappings, the most recent last
         self._free_bytes = 0
+        self._last_used = clock()
+        self._trimmer: threading.Thread | None = None  # alive while there is free memory to watch
         # Reentrant: a buffer can die, and come back here, in a garbage collection run inside `take`.
         self._lock = threading.RLock()
 
@@ -48,6 +62,7 @@ class BufferPool:
             return _fresh(length)
         size = -(-length // _SIZE_CLASS) * _SIZE_CLASS
         with self._lock:
+            self._last_used = self._clock()
             free = self._free.get(size)
             memory = free.pop() if free else None
             if memory is not None:
@@ -73,11 +88,44 @@ class BufferPool:
                 self._free_bytes -= other
             self._free.setdefault(size, []).append(memory)
             self._free_bytes += size
+            self._last_used = self._clock()
+            if self._trimmer is None:
+                self._start_trimmer()
+
+    def trim_if_idle(self) -> float | None:
+        """Unmap the free memory if the pool went unused for ``idle_s``. Returns the seconds until it would
+        be idle that long, or None when nothing is left to watch."""
+        with self._lock:
+            if not self._free_bytes:
+                return None
+            wait = self._last_used + self._idle_s - self._clock()
+            if wait > 0:
+                return wait
+            self._free, self._free_bytes = {}, 0
+            return None
+
+    def _start_trimmer(self) -> None:
+        trimmer = threading.Thread(target=self._trim_when_idle, name="kvstore-buffers", daemon=True)
+        try:
+            trimmer.start()
+        except RuntimeError:  # the interpreter is shutting down: the memory goes with the process
+            return
+        self._trimmer = trimmer
+
+    def _trim_when_idle(self) -> None:
+        while True:
+            with self._lock:
+                wait = self.trim_if_idle()
+                if wait is None:
+                    self._trimmer = None  # the next buffer given back starts another
+                    return
+            time.sleep(wait)
 
     def clear(self) -> None:
-        """Let go of the free memory (a forked child: the parent's lock and lists are not its own)."""
+        """Let go of the free memory (a forked child: the parent's lock, lists and thread are not its own)."""
         self._lock = threading.RLock()
         self._free, self._free_bytes = {}, 0
+        self._trimmer = None
 
 
 def _fresh(length: int) -> memoryview:

@@ -1,5 +1,6 @@
 import gc
 import os
+import time
 
 import numpy as np
 import pytest
@@ -67,3 +68,30 @@ def test_a_forked_child_starts_with_no_free_memory() -> None:
     assert os.read(read, 64) == b"0"
     os.close(read)
     assert buffers._POOL.free_bytes >= 128 * 1024
+
+
+def test_the_free_memory_goes_once_the_pool_has_been_idle_a_while() -> None:
+    now = [0.0]
+    pool = BufferPool(idle_s=30.0, clock=lambda: now[0])
+    pool.take(256 * 1024)  # dies at once
+    now[0] = 29.0
+    assert pool.trim_if_idle() == pytest.approx(1.0) and pool.free_bytes == 256 * 1024
+    pool.take(256 * 1024)  # used again at 29 s: another 30 s before its memory goes
+    now[0] = 58.0
+    assert pool.trim_if_idle() == pytest.approx(1.0) and pool.free_bytes == 256 * 1024
+    now[0] = 59.0
+    assert pool.trim_if_idle() is None and pool.free_bytes == 0
+
+
+def test_a_thread_of_its_own_lets_the_idle_memory_go_and_then_ends() -> None:
+    pool = BufferPool(idle_s=0.05)
+    pool.take(256 * 1024)
+    deadline = time.monotonic() + 30
+    while (pool.free_bytes or pool._trimmer is not None) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.free_bytes == 0 and pool._trimmer is None
+    pool.take(256 * 1024)  # a buffer given back later starts the watch again
+    deadline = time.monotonic() + 30
+    while pool.free_bytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.free_bytes == 0
