@@ -34,8 +34,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.agent.supervisor import stop_agent
-from kvstore.agent.uploads import wait_uploaded
-from kvstore.cache import NVMeCache
+from kvstore.agent.uploads import wait_uploaded_in
 from kvstore.connector.bench.disk import evict_page_cache
 from kvstore.connector.bench.target import StoreTarget
 from kvstore.connector.configs import cpu_tiering_config
@@ -180,8 +179,7 @@ def bench_ttft(
                 progress("KVStoreTier: a fresh node (empty NVMe cache, same bucket)")
                 if "ours-nvme" not in rows:
                     _fill(model, texts, cpu_tiering_config(ours), env)
-                with NVMeCache(root / "nvme-a", 1 << 40) as cache:  # the node agent the tier started
-                    wait_uploaded(cache, 600)  # uploads them
+                wait_uploaded_in(root / "nvme-a", 600)  # the node agent the tier started uploads them
                 path = root / "timeline.jsonl"
                 fresh = {**ours, "cache_dir": str(root / "nvme-b"), "timeline_path": str(path)}
                 if target.server_dir is not None:

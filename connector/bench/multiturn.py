@@ -36,8 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.agent.supervisor import agent_status, stop_agent
-from kvstore.agent.uploads import OWN_SERVER_HOLD_S, wait_uploaded
-from kvstore.cache import NVMeCache
+from kvstore.agent.uploads import OWN_SERVER_HOLD_S, wait_uploaded_in
 from kvstore.connector.bench.outputs import figure, json_and_png
 from kvstore.connector.bench.target import StoreTarget
 from kvstore.connector.configs import cpu_tiering_config
@@ -346,8 +345,7 @@ def _run_point(
     drain_s = drain_cpu = None
     if cache_dir is not None:
         drained = time.perf_counter()
-        with NVMeCache(cache_dir, 1 << 40) as cache:
-            wait_uploaded(cache, _DRAIN_S)
+        wait_uploaded_in(cache_dir, _DRAIN_S)
         drain_s = round(time.perf_counter() - drained, 2)
         drain_cpu = round(_cpu_times(-1, None, agent).get("agent", 0.0) - cpu_after.get("agent", 0.0), 2)
     time.sleep(1.5)  # the engine publishes its counters at the end of a step; let the last ones land

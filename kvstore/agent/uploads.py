@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import threading
 import time
+from collections.abc import Callable
 
 from kvstore.agent.cpu_room import CpuRoom
-from kvstore.cache import CachedChunk, NVMeCache
+from kvstore.cache import Backlog, CachedChunk, NVMeCache
+from kvstore.cache.index import CacheIndex
 from kvstore.config import DataPathSettings
 from kvstore.engine import io
 from kvstore.engine.bad_chunks import count_removals, nvme_copy_corrupt
@@ -182,8 +185,23 @@ def upload_hold_of(settings: DataPathSettings) -> float:
 
 def wait_uploaded(cache: NVMeCache, timeout_s: float) -> bool:
     """Wait until the node's upload journal is empty (whoever uploads it); False on timeout."""
+    return _wait_empty(cache.backlog, timeout_s)
+
+
+def wait_uploaded_in(directory: str | os.PathLike[str], timeout_s: float) -> bool:
+    """`wait_uploaded` from outside the node's processes (a benchmark's driver, while its engine and agent
+    run): it reads the cache's index alone. Opening the whole cache would also tidy its files and weigh a
+    budget it does not know against the disk."""
+    index = CacheIndex(directory)
+    try:
+        return _wait_empty(index.backlog, timeout_s)
+    finally:
+        index.close()
+
+
+def _wait_empty(backlog: Callable[[], Backlog], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
-    while cache.backlog().chunks:
+    while backlog().chunks:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.02)

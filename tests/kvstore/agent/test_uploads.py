@@ -4,6 +4,7 @@ counted lost, once, for the whole node."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvstore.agent.node_agent import NodeAgent
+from kvstore.agent.uploads import wait_uploaded_in
 from kvstore.cache import NVMeCache
 from kvstore.chunk import HEADER_BLOCK
 from kvstore.engine import TieredStore
@@ -149,3 +151,26 @@ def test_every_stored_chunk_is_uploaded_or_counted_lost_once_for_the_node(
         engine.publish_counters()  # the engine's figures for the node's counters, through the agent
         wait_for(lambda: cache.counters().get(written, 0) > 0, what="the engine's figures to reach the index")
         assert cache.counters()["uploads_lost"] == lost, "an engine's own count is not added a second time"
+
+
+def test_a_driver_waits_for_the_uploads_by_reading_the_index_alone(
+    tmp_path: Path,
+    metrics: EngineMetrics,
+    make_engine: MakeEngine,
+    start_agent: StartAgent,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A benchmark's driver waits for a node's uploads while the node's engine and agent run, and leaves the
+    cache's files and budget to them (before: it opened the whole cache with a made-up budget and warned,
+    once per benchmark point, that the disk was smaller)."""
+    store = MemoryStore()
+    with NVMeCache(tmp_path / "nvme", budget_bytes=1 << 30) as cache:
+        engine = make_engine(store, cache, metrics)
+        names = keys(3, "drained")
+        assert engine.store_many([(k, payload(i)) for i, k in enumerate(names)]).written == 3
+        with caplog.at_level(logging.INFO, logger="kvstore.cache"):
+            assert not wait_uploaded_in(tmp_path / "nvme", 0.2)  # no agent runs: the chunks wait
+            start_agent(cache, store, EngineMetrics(CollectorRegistry()))
+            assert wait_uploaded_in(tmp_path / "nvme", 60)
+        assert all(store.exists_many(names))
+        assert not caplog.records, "the driver touched the cache beyond its index"
