@@ -142,6 +142,7 @@ class TieredStore:
             self.threads,
             load_timeout_s=load_timeout_s,
             admit=self._admission.offer,
+            admitting=self._admission.held,
         )
         self._counters = NodeCounters(self.metrics, counters_sink or self._link.counters)
         self._agent = agent
@@ -249,6 +250,11 @@ class TieredStore:
         answers: a scheduler idling until its lookups can be answered goes on at once, not at its next
         step."""
         self._outcomes.on_answers = wake
+
+    def model_step(self, running: bool) -> None:
+        """Whether the scheduler's step that just ended runs the model: object hits wait for their NVMe
+        write while it does (see `kvstore.engine.admission`). Never blocks."""
+        self._admission.model_step(running)
 
     def end_of_step(self) -> None:
         """The scheduler's step is over (see `Prober.end_of_step`)."""

@@ -143,8 +143,11 @@ def test_probe_fetches_hits_so_the_load_needs_no_second_round(
     assert load(engine, names[:4]) == [payload(i) for i in range(4)]
     assert sample(metrics, "kvstore:read_bytes_total", tier="object") == 4 * len(payload(0))
     assert sample(metrics, "kvstore:prefetch_bytes") == 0
-    # Each prefetched blob serves one load; the next one goes to the store (now a miss).
-    assert load(engine, names[:1]) == [None]
+    # Each prefetched blob serves one load; the next one copies this node's copy, which waits for its NVMe
+    # write (the store, where the objects are gone now, is not asked).
+    assert load(engine, names[:1]) == [payload(0)]
+    assert sample(metrics, "kvstore:read_bytes_total", tier="object") == 4 * len(payload(0))
+    assert sample(metrics, "kvstore:read_bytes_total", tier="nvme") == len(payload(0))
 
 
 class SlowGets(MemoryStore):
@@ -260,6 +263,58 @@ def test_a_bucket_hit_costs_one_get_node_wide_and_a_repeat_load_none(
     assert (served.get, served.put, served.list) == (6, 0, 0)
     assert load(engine, names) == [payload(i) for i in range(6)]
     assert (s3_server.requests(s3_store.bucket) - before).get == 6  # the repeat load came from NVMe
+
+
+def test_object_hits_wait_for_nvme_while_the_model_runs_and_a_repeat_load_asks_the_bucket_nothing(
+    s3_server: S3Server,
+    s3_store: S3Store,
+    cache: NVMeCache,
+    metrics: EngineMetrics,
+    make_engine: MakeEngine,
+) -> None:
+    """A busy engine (a step that runs the model every few ms) keeps its object hits off the disk; a repeat
+    load meanwhile copies the verified bytes held for the write, with no GET; an idle step lets them go."""
+    names = keys(4, "held")
+    fill(s3_store, names)
+    engine = make_engine(s3_store, cache, metrics)
+    stepping = threading.Event()
+    stepping.set()
+
+    def scheduler() -> None:
+        while stepping.is_set():
+            engine.model_step(True)
+            time.sleep(0.01)
+
+    steps = threading.Thread(target=scheduler, daemon=True)
+    steps.start()
+    try:
+        before = s3_server.requests(s3_store.bucket)
+        assert load(engine, names) == [payload(i) for i in range(4)]
+        time.sleep(0.5)  # ten times the quiet a write waits for when the model does not run
+        assert not any(cache.contains_many(names)), "object hits were written while the model ran"
+        assert load(engine, names) == [payload(i) for i in range(4)]
+        assert (s3_server.requests(s3_store.bucket) - before).get == 4, "the repeat load asked the bucket"
+        assert sample(metrics, "kvstore:read_bytes_total", tier="nvme") == 4 * CHUNK  # this node's copy
+    finally:
+        stepping.clear()
+        steps.join()
+    engine.model_step(False)  # a step that scheduled nothing: the engine waits, the disk is free
+    wait_for(lambda: all(cache.contains_many(names)), what="the write once the model is idle")
+    assert load(engine, names) == [payload(i) for i in range(4)]
+    assert (s3_server.requests(s3_store.bucket) - before).get == 4
+
+
+def test_object_hits_are_written_once_no_step_has_run_the_model_for_a_while(
+    s3_store: S3Store, cache: NVMeCache, metrics: EngineMetrics, make_engine: MakeEngine
+) -> None:
+    """After a request's last step (the engine then waits for new requests and steps no more), the hits are
+    written when the hold runs out: nothing else would end it."""
+    names = keys(2, "hold-ends")
+    fill(s3_store, names)
+    engine = make_engine(s3_store, cache, metrics)
+    assert load(engine, names) == [payload(0), payload(1)]
+    engine.model_step(True)
+    wait_for(lambda: all(cache.contains_many(names)), timeout=8, what="the write after the hold")
 
 
 def test_prefix_probe_asks_first_keys_first_and_stops_a_chain_at_its_miss(
