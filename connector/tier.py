@@ -253,7 +253,8 @@ class KVStoreTier(SecondaryTierManager):
         else:
             self._engine.end_of_step()
         idle = step_scheduled_nothing()
-        self._engine.model_step(not idle)  # object hits wait for their NVMe write while the model runs
+        if not idle:
+            self._engine.model_runs()  # object hits wait for their NVMe write while the model runs
         if idle and self._idle_wait_s and (self._engine.probes_in_flight or self._jobs.in_flight):
             # vLLM idles until we answer: wait here rather than be asked about every chunk again a moment
             # later. A finished job or new answers end the wait: vLLM goes on with them at once.

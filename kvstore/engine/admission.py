@@ -10,7 +10,7 @@ the files, one index commit admits them). Quiet means: no load or probe for ``qu
 for ``model_hold_s``. The second matters most right after the loads: the request's forward pass starts
 then, and on vLLM's CPU backend it needs every core: a new node's 6K-token request spent 158 ms there with
 the admission of its 47 hits beside it against 127 ms with the admission put off (`kvstore bench vllm`, one
-run each way, 2026-12-06). The scheduler says when a step runs the model (`model_step`); an engine that
+run each way, 2026-12-06). The scheduler says when a step runs the model (`model_runs`); an engine that
 steps without pause admits every ``max_delay_s``.
 
 Until its batch is written, a queued hit is served from here (`held`): a repeat load copies the verified
@@ -79,9 +79,10 @@ class Admission:
         """The verified hit of ``key`` if it waits here for its write (a load may copy it; never blocks)."""
         return self._queued.get(key)
 
-    def model_step(self, running: bool) -> None:
-        """A scheduler step ended: it scheduled tokens, so the model runs now (True), or none (False)."""
-        self._model_step_at = self._clock() if running else None
+    def model_runs(self) -> None:
+        """A scheduler step that runs the model has just been scheduled. (A step that scheduled nothing says
+        nothing: vLLM may schedule one while the forward pass of the step before still runs.)"""
+        self._model_step_at = self._clock()
 
     def run(self) -> None:
         """The admit thread's loop; returns after ``close``."""

@@ -357,8 +357,9 @@ def test_a_new_nodes_object_hits_wait_for_nvme_while_the_scheduler_runs_the_mode
     s3_env: None, s3_store: ObjectStore, tmp_path: Path
 ) -> None:
     """The tier reads from each step's SchedulerOutput whether the model runs (as `idle_step` finds it in
-    vLLM's own frames); while steps schedule tokens the engine holds its object hits back from NVMe, and a
-    step that scheduled nothing lets them go."""
+    vLLM's own frames); while steps schedule tokens the engine holds its object hits back from NVMe. A step
+    that scheduled nothing changes nothing (vLLM schedules one while the step before still runs): the hits
+    are written once no step has run the model for a while."""
     writer = standalone_tier(options(s3_store, tmp_path / "a"), chunk_bytes=CHUNK, num_chunks=4)
     writer.fill(0, data(9))
     writer.tier.submit_store(job(1, [okey(9)], [0], promotion=False))
@@ -378,7 +379,9 @@ def test_a_new_nodes_object_hits_wait_for_nvme_while_the_scheduler_runs_the_mode
         time.sleep(0.01)
     assert not cache.contains_many([key])[0], "the object hit was written while the model ran"
     end_step(tier, scheduled_tokens=0)
-    wait_for(lambda: cache.contains_many([key])[0], what="the write once a step scheduled nothing")
+    time.sleep(0.2)
+    assert not cache.contains_many([key])[0], "an idle step let the object hit go while the model ran"
+    wait_for(lambda: cache.contains_many([key])[0], timeout=8, what="the write once the model is idle")
     assert bytes(reader.slot(3)) == data(9)
     reader.close()
 

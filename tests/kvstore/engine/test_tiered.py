@@ -273,7 +273,8 @@ def test_object_hits_wait_for_nvme_while_the_model_runs_and_a_repeat_load_asks_t
     make_engine: MakeEngine,
 ) -> None:
     """A busy engine (a step that runs the model every few ms) keeps its object hits off the disk; a repeat
-    load meanwhile copies the verified bytes held for the write, with no GET; an idle step lets them go."""
+    load meanwhile copies the verified bytes held for the write, with no GET. Once no step has run the model
+    for a while (the engine waits for requests and steps no more), they are written."""
     names = keys(4, "held")
     fill(s3_store, names)
     engine = make_engine(s3_store, cache, metrics)
@@ -282,7 +283,7 @@ def test_object_hits_wait_for_nvme_while_the_model_runs_and_a_repeat_load_asks_t
 
     def scheduler() -> None:
         while stepping.is_set():
-            engine.model_step(True)
+            engine.model_runs()
             time.sleep(0.01)
 
     steps = threading.Thread(target=scheduler, daemon=True)
@@ -298,23 +299,9 @@ def test_object_hits_wait_for_nvme_while_the_model_runs_and_a_repeat_load_asks_t
     finally:
         stepping.clear()
         steps.join()
-    engine.model_step(False)  # a step that scheduled nothing: the engine waits, the disk is free
-    wait_for(lambda: all(cache.contains_many(names)), what="the write once the model is idle")
+    wait_for(lambda: all(cache.contains_many(names)), timeout=8, what="the write once the model is idle")
     assert load(engine, names) == [payload(i) for i in range(4)]
     assert (s3_server.requests(s3_store.bucket) - before).get == 4
-
-
-def test_object_hits_are_written_once_no_step_has_run_the_model_for_a_while(
-    s3_store: S3Store, cache: NVMeCache, metrics: EngineMetrics, make_engine: MakeEngine
-) -> None:
-    """After a request's last step (the engine then waits for new requests and steps no more), the hits are
-    written when the hold runs out: nothing else would end it."""
-    names = keys(2, "hold-ends")
-    fill(s3_store, names)
-    engine = make_engine(s3_store, cache, metrics)
-    assert load(engine, names) == [payload(0), payload(1)]
-    engine.model_step(True)
-    wait_for(lambda: all(cache.contains_many(names)), timeout=8, what="the write after the hold")
 
 
 def test_prefix_probe_asks_first_keys_first_and_stops_a_chain_at_its_miss(
