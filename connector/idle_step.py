@@ -5,14 +5,12 @@ steps about once a millisecond: each step looks up every chunk of the waiting re
 model step and sleeps 1 ms. On a new node's 47-chunk request that was 90 steps, half the engine process's CPU
 while its GETs ran on the same cores. On such an idle step, while its probe or jobs are out, the tier waits a
 little (`KVStoreTier.on_schedule_end`, ended early by a finished job or the probe's answers): nothing runs
-that the wait could delay. A step that scheduled tokens runs the model next, which on vLLM's CPU backend
-needs every core: object hits wait for their NVMe write meanwhile (`kvstore.engine.admission`).
+that the wait could delay.
 
 vLLM does not tell a tier whether the step scheduled anything. The connector's scheduler side is handed the
 step's `SchedulerOutput` (`KVConnectorBase_V1.build_connector_meta(scheduler_output)`) just before it calls
 the tiers' `on_schedule_end`, so it is read from that call's frame, a few frames up. Where it cannot be found
-(another vLLM, another caller), the step counts as busy: the tier never waits on a guess, and object hits
-wait for their write as if the model ran.
+(another vLLM, another caller), the step counts as busy: the tier never waits on a guess.
 """
 
 from __future__ import annotations

@@ -252,10 +252,11 @@ class KVStoreTier(SecondaryTierManager):
             self._update_switch_interval()
         else:
             self._engine.end_of_step()
-        idle = step_scheduled_nothing()
-        if not idle:
-            self._engine.model_runs()  # object hits wait for their NVMe write while the model runs
-        if idle and self._idle_wait_s and (self._engine.probes_in_flight or self._jobs.in_flight):
+        if (
+            self._idle_wait_s
+            and (self._engine.probes_in_flight or self._jobs.in_flight)
+            and step_scheduled_nothing()
+        ):
             # vLLM idles until we answer: wait here rather than be asked about every chunk again a moment
             # later. A finished job or new answers end the wait: vLLM goes on with them at once.
             if self._timeline is not None:

@@ -2,18 +2,10 @@
 
 A load served from the object store admits what it served, so the next hit stays on the node. Fetching the
 chunk again (the node agent did, at idle priority) costs a second GET per hit, and the S3 server's CPU and
-bandwidth while the request that is waiting still needs them.
-
-Writing at once would compete with the work that request is waiting for, so verified hits wait here until
-the engine is quiet, ``max_delay_s`` at the latest, and then go to disk in one batch (the disk threads write
-the files, one index commit admits them). Quiet means: no load or probe for ``quiet_s``, and no model step
-for ``model_hold_s``. The second matters most right after the loads: the request's forward pass starts
-then, and on vLLM's CPU backend it needs every core: a new node's 6K-token request spent 158 ms there with
-the admission of its 47 hits beside it against 127 ms with the admission put off (`kvstore bench vllm`, one
-run each way, 2026-12-06). The scheduler says when a step runs the model (`model_runs`); an engine that
-steps without pause admits every ``max_delay_s``.
-
-Until its batch is written, a queued hit is served from here (`held`): a repeat load copies the verified
+bandwidth while the request that is waiting still needs them. Writing at once would compete with that
+request's own loads, so verified hits wait here until loads and probes have been quiet for ``quiet_s``, or
+``max_delay_s`` at the latest, and then go to disk in one batch (the disk threads write the files, one index
+commit admits them). Until then a queued hit is served from here (`held`): a repeat load copies the verified
 bytes again and asks the bucket nothing. What does not fit ``budget_bytes`` is not queued: the next hit of
 that chunk is served from the bucket again. ``close`` writes what is queued.
 """
@@ -42,19 +34,14 @@ class Admission:
         *,
         budget_bytes: int = 256 << 20,
         quiet_s: float = 0.05,
-        model_hold_s: float = 1.0,
         max_delay_s: float = 10.0,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``write`` puts a batch on NVMe; ``busy`` says whether foreground work (loads, probes) runs now."""
         self._write = write
         self._busy = busy
         self._budget = budget_bytes
         self._quiet = quiet_s
-        self._model_hold = model_hold_s
         self._max_delay = max_delay_s
-        self._clock = clock
-        self._model_step_at: float | None = None  # when the last step that ran the model was scheduled
         self._queued: dict[str, Fetched] = {}  # verified, waiting for the write
         self._lock = threading.Lock()
         self._batches: queue.SimpleQueue[list[Fetched] | None] = queue.SimpleQueue()
@@ -78,11 +65,6 @@ class Admission:
     def held(self, key: str) -> Fetched | None:
         """The verified hit of ``key`` if it waits here for its write (a load may copy it; never blocks)."""
         return self._queued.get(key)
-
-    def model_runs(self) -> None:
-        """A scheduler step that runs the model has just been scheduled. (A step that scheduled nothing says
-        nothing: vLLM may schedule one while the forward pass of the step before still runs.)"""
-        self._model_step_at = self._clock()
 
     def run(self) -> None:
         """The admit thread's loop; returns after ``close``."""
@@ -118,14 +100,12 @@ class Admission:
         self._batches.put(None)
 
     def _wait_quiet(self) -> None:
-        """Until the foreground has been idle for ``quiet_s`` and the model for ``model_hold_s``,
-        ``max_delay_s`` passed, or closing."""
-        deadline = self._clock() + self._max_delay
+        """Until the foreground has been idle for ``quiet_s``, ``max_delay_s`` passed, or closing."""
+        deadline = time.monotonic() + self._max_delay
         quiet_since: float | None = None
         while not self._closing.is_set():
-            now = self._clock()
-            model_at = self._model_step_at
-            if self._busy() or (model_at is not None and now - model_at < self._model_hold):
+            now = time.monotonic()
+            if self._busy():
                 quiet_since = None
             elif quiet_since is None:
                 quiet_since = now

@@ -251,11 +251,6 @@ class TieredStore:
         step."""
         self._outcomes.on_answers = wake
 
-    def model_runs(self) -> None:
-        """The scheduler's step that just ended runs the model: object hits wait for their NVMe write
-        meanwhile (see `kvstore.engine.admission`). Never blocks."""
-        self._admission.model_runs()
-
     def end_of_step(self) -> None:
         """The scheduler's step is over (see `Prober.end_of_step`)."""
         self._prober.end_of_step()

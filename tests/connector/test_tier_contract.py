@@ -26,7 +26,6 @@ from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 
 from kvstore.agent.uploads import wait_uploaded
 from kvstore.chunk import HEADER_BLOCK
-from kvstore.connector.bench.tier_driver import end_step
 from kvstore.connector.harness.standalone import StandaloneTier, standalone_tier
 from kvstore.connector.tier import KVStoreTier
 from kvstore.connector.tier_metrics import (
@@ -350,39 +349,6 @@ def test_keys_waiting_on_a_probe_are_not_asked_again_every_step(
         time.sleep(0.001)
     assert answers == [LookupResult.MISS, LookupResult.MISS]
     assert len(asked) == 1 and sum(map(len, asked[0])) == 2
-    reader.close()
-
-
-def test_a_new_nodes_object_hits_wait_for_nvme_while_the_scheduler_runs_the_model(
-    s3_env: None, s3_store: ObjectStore, tmp_path: Path
-) -> None:
-    """The tier reads from each step's SchedulerOutput whether the model runs (as `idle_step` finds it in
-    vLLM's own frames); while steps schedule tokens the engine holds its object hits back from NVMe. A step
-    that scheduled nothing changes nothing (vLLM schedules one while the step before still runs): the hits
-    are written once no step has run the model for a while."""
-    writer = standalone_tier(options(s3_store, tmp_path / "a"), chunk_bytes=CHUNK, num_chunks=4)
-    writer.fill(0, data(9))
-    writer.tier.submit_store(job(1, [okey(9)], [0], promotion=False))
-    wait_jobs(writer.tier, {1})
-    assert wait_uploaded(writer.tier.engine.cache, 30)
-    writer.close()
-
-    reader = standalone_tier(options(s3_store, tmp_path / "b"), chunk_bytes=CHUNK, num_chunks=4)
-    tier = reader.tier
-    cache = tier.engine.cache
-    key = tier.namespace.chunk_key(okey(9))
-    wait_for(lambda: tier.lookup(okey(9), REQ) is LookupResult.HIT or end_step(tier, scheduled_tokens=0))
-    tier.submit_load(job(2, [okey(9)], [3], promotion=True))
-    assert wait_jobs(tier, {2})[2].success
-    for _ in range(50):  # half a second of steps that run the model, ten times the quiet a write waits for
-        end_step(tier, scheduled_tokens=8)
-        time.sleep(0.01)
-    assert not cache.contains_many([key])[0], "the object hit was written while the model ran"
-    end_step(tier, scheduled_tokens=0)
-    time.sleep(0.2)
-    assert not cache.contains_many([key])[0], "an idle step let the object hit go while the model ran"
-    wait_for(lambda: cache.contains_many([key])[0], timeout=8, what="the write once the model is idle")
-    assert bytes(reader.slot(3)) == data(9)
     reader.close()
 
 

@@ -158,8 +158,10 @@ class SlowGets(MemoryStore):
         self.gate = threading.Event()
         self.waiting = 0
         self.answered = 0
+        self.asked = 0  # GETs of any key
 
     def get(self, key: str) -> bytes | None:
+        self.asked += 1
         if "/slow/" in key:
             self.waiting += 1
             self.gate.wait(30)
@@ -167,6 +169,27 @@ class SlowGets(MemoryStore):
         if "/slow/" in key:
             self.answered += 1
         return found
+
+
+def test_a_repeat_load_before_the_hits_are_on_nvme_asks_the_bucket_nothing(
+    cache: NVMeCache, metrics: EngineMetrics, make_engine: MakeEngine
+) -> None:
+    """Object hits wait for their NVMe write while the engine's foreground is busy (here a probe whose GET
+    hangs); a repeat load meanwhile copies the verified bytes held for that write, with no GET."""
+    store = SlowGets()
+    ready, slow = keys(3, "again"), keys(1, "slow")
+    fill(store, ready + slow)
+    engine = make_engine(store, cache, metrics, io_workers=4)
+    engine.probe_async(slow)
+    wait_for(lambda: store.waiting == 1, what="the probe's GET to hang")
+    assert load(engine, ready) == [payload(i) for i in range(3)]
+    asked = store.asked
+    assert load(engine, ready) == [payload(i) for i in range(3)]
+    assert store.asked == asked, "the repeat load asked the bucket"
+    assert not any(cache.contains_many(ready)), "written while the probe was out"
+    assert sample(metrics, "kvstore:read_bytes_total", tier="nvme") == 3 * CHUNK  # this node's copy
+    store.gate.set()
+    wait_for(lambda: all(cache.contains_many(ready)), what="the write once the engine is quiet")
 
 
 def test_prefetched_chunks_load_while_the_io_workers_wait_on_the_network(
@@ -263,45 +286,6 @@ def test_a_bucket_hit_costs_one_get_node_wide_and_a_repeat_load_none(
     assert (served.get, served.put, served.list) == (6, 0, 0)
     assert load(engine, names) == [payload(i) for i in range(6)]
     assert (s3_server.requests(s3_store.bucket) - before).get == 6  # the repeat load came from NVMe
-
-
-def test_object_hits_wait_for_nvme_while_the_model_runs_and_a_repeat_load_asks_the_bucket_nothing(
-    s3_server: S3Server,
-    s3_store: S3Store,
-    cache: NVMeCache,
-    metrics: EngineMetrics,
-    make_engine: MakeEngine,
-) -> None:
-    """A busy engine (a step that runs the model every few ms) keeps its object hits off the disk; a repeat
-    load meanwhile copies the verified bytes held for the write, with no GET. Once no step has run the model
-    for a while (the engine waits for requests and steps no more), they are written."""
-    names = keys(4, "held")
-    fill(s3_store, names)
-    engine = make_engine(s3_store, cache, metrics)
-    stepping = threading.Event()
-    stepping.set()
-
-    def scheduler() -> None:
-        while stepping.is_set():
-            engine.model_runs()
-            time.sleep(0.01)
-
-    steps = threading.Thread(target=scheduler, daemon=True)
-    steps.start()
-    try:
-        before = s3_server.requests(s3_store.bucket)
-        assert load(engine, names) == [payload(i) for i in range(4)]
-        time.sleep(0.5)  # ten times the quiet a write waits for when the model does not run
-        assert not any(cache.contains_many(names)), "object hits were written while the model ran"
-        assert load(engine, names) == [payload(i) for i in range(4)]
-        assert (s3_server.requests(s3_store.bucket) - before).get == 4, "the repeat load asked the bucket"
-        assert sample(metrics, "kvstore:read_bytes_total", tier="nvme") == 4 * CHUNK  # this node's copy
-    finally:
-        stepping.clear()
-        steps.join()
-    wait_for(lambda: all(cache.contains_many(names)), timeout=8, what="the write once the model is idle")
-    assert load(engine, names) == [payload(i) for i in range(4)]
-    assert (s3_server.requests(s3_store.bucket) - before).get == 4
 
 
 def test_prefix_probe_asks_first_keys_first_and_stops_a_chain_at_its_miss(
