@@ -232,8 +232,28 @@ class EngineMetrics:
         self.upload_backlog_age.set_function(_at_scrape(backlog, 2))
 
     def snapshot(self) -> MetricsSnapshot:
+        # Read from these metrics alone: the registry may be vLLM's whole default one, and asking it for a
+        # sample collects all of it (every histogram, every gauge's function) for each figure: 7 ms of the
+        # engine core's CPU per snapshot in `bench multiturn`, every 2 s (measured 2026-12-06).
+        mine = (
+            self.queries,
+            self.hits,
+            self.read_bytes,
+            self.write_bytes,
+            self.checksum_failures,
+            self.stores_dropped,
+            self.uploads_lost,
+            self.evictions,
+        )
+        samples = {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for metric in mine
+            for family in metric.collect()
+            for sample in family.samples
+        }
+
         def value(name: str, **labels: str) -> float:
-            return self.registry.get_sample_value(name, labels) or 0.0
+            return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
         per_tier = {
             tier: TierFigures(
