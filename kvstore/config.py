@@ -37,6 +37,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings.exceptions import SettingsError
 
+from kvstore.cache.index_flush import DEFAULT_FLUSH_S
 from kvstore.chunk import Codec
 from kvstore.errors import ConfigError
 
@@ -220,6 +221,9 @@ class DataPathSettings(_Group):
     # With direct_io: O_DIRECT for chunk writes too. False: stores go through the page cache (the kernel
     # writes them back; the page cache holds them until then) and loads stay O_DIRECT.
     direct_writes: bool = True
+    # How often the index's commits are made durable together: a store then never waits for the disk to
+    # flush every chunk written before it (`kvstore.cache.index_flush`). 0: LMDB syncs each commit.
+    index_flush_s: float = DEFAULT_FLUSH_S
     # How long a load waits for the object store before its missing chunks count as misses.
     load_timeout_s: float = 5.0
     probe_hit_ttl_s: float = 600.0
@@ -263,7 +267,7 @@ class DataPathSettings(_Group):
     def _cache_dir_not_empty(cls, value: Any) -> Any:
         return _not_empty_path(value)
 
-    @field_validator("pin_sync_s", "prefetch_bytes")
+    @field_validator("pin_sync_s", "prefetch_bytes", "index_flush_s")
     @classmethod
     def _not_negative(cls, value: float) -> float:
         if value < 0:

@@ -63,6 +63,11 @@ class CacheError(KVStoreError):
     """The local NVMe cache cannot be used (unwritable directory, incompatible index, ...)."""
 
 
+class IndexSuspect(CacheError):
+    """The cache index may be damaged: the machine stopped while a process had commits of it unflushed
+    (`kvstore.cache.index_flush`). Rebuild it from the chunk files before use."""
+
+
 class CacheFull(CacheError):
     """The cache's filesystem has no room for a chunk file (ENOSPC, a quota): make room, then try again."""
 

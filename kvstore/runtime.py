@@ -286,6 +286,7 @@ def open_cache(settings: Settings) -> NVMeCache:
         settings.cache_bytes,
         direct_io=settings.direct_io,
         direct_writes=settings.direct_writes,
+        index_flush_s=settings.index_flush_s,
     )
     make_private(settings.cache_dir)  # one an older release made, and the index LMDB just created
     return cache

@@ -24,6 +24,7 @@ from typing import Literal
 
 import lmdb
 
+from kvstore.cache import index_flush
 from kvstore.cache import lmdb_env as cache_index
 from kvstore.errors import KVStoreError
 from kvstore.layout import LAYOUT_KEY
@@ -117,6 +118,8 @@ def _migrate_cache(cache_dir: Path, steps: list[Step]) -> list[Applied]:
         return []  # no index yet: the cache creates it at the current version
     if cache_index.is_open_in_this_process(cache_dir):
         return []  # open here already, so current: an index older than the code is refused at open
+    if index_flush.suspect(str(path)):
+        return []  # suspect after a machine crash: never read, rebuilt at the current version at open
     try:
         cache_index.check_data_file(str(path))
     except KVStoreError as exc:

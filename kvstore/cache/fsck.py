@@ -24,6 +24,7 @@ anyway is safe: its entry then points at nothing, which readers treat as a miss 
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import time
@@ -36,9 +37,11 @@ from kvstore.cache.index import CacheIndex
 from kvstore.cache.lmdb_env import INDEX_DIR
 from kvstore.cache.records import Entry
 from kvstore.chunk import HEADER_BLOCK, ChunkHeader, parse_header, verify
-from kvstore.errors import ChunkError
+from kvstore.errors import ChunkError, IndexSuspect
 
 log = logging.getLogger(__name__)
+
+REBUILD_LOCK = "index.lock"  # in the cache directory: held shared by opens, exclusive by a rebuild
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,36 @@ def rebuild_index(directory: str | os.PathLike[str], *, batch: int = 512) -> Reb
         "rebuilt the cache index of %s from %d chunk files; the damaged one is %s", root, entries, aside
     )
     return RebuildReport(kept_aside=str(aside), entries=entries, bytes=nbytes, skipped_files=skipped)
+
+
+def open_recovering(directory: str | os.PathLike[str], open_index: Callable[[], CacheIndex]) -> CacheIndex:
+    """``open_index()``, after rebuilding the index from the chunk files if a machine crash may have damaged
+    it (`IndexSuspect`). Opens wait while a rebuild runs (a shared lock against its exclusive one), and of
+    several processes that find the index suspect, one rebuilds and the others open what it built."""
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        fd = os.open(os.path.join(directory, REBUILD_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:  # a full disk or a read-only one: no lock to take, and a suspect index stays refused
+        return open_index()
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            return open_index()
+        except IndexSuspect as exc:
+            log.warning("%s", exc)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # converting lets another rebuilder in first: then we open its work
+        try:
+            return open_index()
+        except IndexSuspect:
+            report = rebuild_index(directory)
+            log.warning(
+                "rebuilt the cache index: %d chunks kept, %d files dropped",
+                report.entries,
+                report.skipped_files,
+            )
+        return open_index()
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _entry_from_file(files: ChunkFiles, path: str, name: str, queued_ns: int) -> tuple[str, Entry] | None:

@@ -56,16 +56,18 @@ class CacheIndex:
         *,
         map_size: int = DEFAULT_MAP_SIZE,
         max_readers: int = 512,
-        sync: bool = True,
+        flush_s: float = 0.0,
         change_log_max: int = changelog.MAX_CHANGES,
     ) -> None:
-        """``change_log_max``: the most changes the log holds (the oldest go first)."""
+        """``flush_s``: 0, LMDB syncs each commit; more, commits are made durable together that often
+        (`kvstore.cache.index_flush`). ``change_log_max``: the most changes the log holds (the oldest go
+        first)."""
         self.path = os.path.realpath(os.path.join(directory, INDEX_DIR))
         self._change_log_max = change_log_max
         self._unlinked: list[bytes] = []  # files this process deleted, forgotten by its next write
         self._unlinked_lock = threading.Lock()
         self._lost: collections.Counter[str] = collections.Counter[str]()  # this process's share, by reason
-        self._shared: Shared | None = acquire(self.path, map_size, max_readers, sync)
+        self._shared: Shared | None = acquire(self.path, map_size, max_readers, flush_s)
 
     def _db(self) -> Shared:
         shared = self._shared
@@ -176,9 +178,9 @@ class CacheIndex:
     def admit_many(
         self, items: Sequence[tuple[str, Entry]], budget: int, touches: Mapping[str, int]
     ) -> list[Admission]:
-        """`admit` for several entries, in order, in ONE write transaction: one commit (and with `sync`, one
-        fsync) for a whole batch instead of one per chunk. A later entry may evict an earlier one of the same
-        batch when the budget is that small; its victims say so."""
+        """`admit` for several entries, in order, in ONE write transaction: one commit (and, syncing each
+        commit, one fsync) for a whole batch instead of one per chunk. A later entry may evict an earlier one
+        of the same batch when the budget is that small; its victims say so."""
         s = self._db()
         live, lost = Liveness(clock_ns()), collections.Counter[str]()
         with s.env.begin(write=True) as txn:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import logging
 import os
 import struct
 import threading
@@ -25,6 +26,8 @@ from typing import ParamSpec, TypeVar
 
 import lmdb
 
+from kvstore.cache import index_flush
+from kvstore.cache.index_flush import IndexFlusher
 from kvstore.cache.lmdb_check import check_data_file
 from kvstore.errors import CacheError, CacheFull
 
@@ -64,6 +67,8 @@ _MAX_DBS = 16
 
 # py-lmdb reports a failed write as "<call>: <strerror>" (lmdb.DiskError), without the errno.
 _NO_SPACE_MESSAGES = {os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT)}
+
+log = logging.getLogger(__name__)
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -105,23 +110,36 @@ class Shared:
     adrift: lmdb._Database
     pid: int
     refs: int = 0
+    flusher: IndexFlusher | None = None  # None: LMDB syncs each commit itself
 
 
 REGISTRY: dict[str, Shared] = {}
 REGISTRY_LOCK = threading.Lock()
 
 
-def _open_shared(path: str, map_size: int, max_readers: int, sync: bool) -> Shared:
+def _open_shared(path: str, map_size: int, max_readers: int, flush_s: float) -> Shared:
+    """``flush_s`` > 0: commits are flushed together that often (`index_flush`); 0: LMDB syncs each one."""
     os.makedirs(path, mode=0o700, exist_ok=True)  # the index names every chunk: its owner's alone
+    boot = index_flush.boot_id() if flush_s > 0 else None
+    reaped: list[str] = []
+    marker = ""
+    if boot is not None:
+        reaped = index_flush.check_markers(path, boot)  # before any page is read: it may be damaged
     check_data_file(path)
-    # metasync off: one fsync per commit instead of two. LMDB still flushes a commit's pages before its meta
-    # page, so a crash can lose the last commit but never leaves a torn index.
+    if boot is not None:
+        try:
+            marker = index_flush.leave_marker(path, boot)
+        except OSError as exc:  # a full disk: no commit of ours may then go unflushed
+            log.warning("cache index %s: each commit syncs (no flush marker: %s)", path, exc)
+            boot = None
+    # Syncing each commit, metasync off: one fsync per commit instead of two. LMDB still flushes a commit's
+    # pages before its meta page, so a crash can lose the last commit but never leaves a torn index.
     env = lmdb.open(
         path,
         map_size=map_size,
         max_dbs=_MAX_DBS,
         max_readers=max_readers,
-        sync=sync,
+        sync=boot is None,
         metasync=False,
         mode=0o600,
     )
@@ -148,10 +166,23 @@ def _open_shared(path: str, map_size: int, max_readers: int, sync: bool) -> Shar
             pid=os.getpid(),
         )
         _check_schema(shared, path)
+        if boot is not None:
+            shared.flusher = IndexFlusher(env, flush_s, marker, reaped)
     except BaseException:
+        flushed = _flush_quietly(env) if marker else False
         env.close()
+        if flushed:
+            os.unlink(marker)
         raise
     return shared
+
+
+def _flush_quietly(env: lmdb.Environment) -> bool:
+    try:
+        env.sync(True)
+    except lmdb.Error:
+        return False
+    return True
 
 
 def _check_schema(shared: Shared, path: str) -> None:
@@ -182,11 +213,12 @@ def _check_schema(shared: Shared, path: str) -> None:
         )
 
 
-def acquire(path: str, map_size: int, max_readers: int, sync: bool) -> Shared:
+def acquire(path: str, map_size: int, max_readers: int, flush_s: float) -> Shared:
+    """This process's handle on the index at ``path``; the first opener's ``flush_s`` holds for all."""
     with REGISTRY_LOCK:
         shared = REGISTRY.get(path)
         if shared is None:
-            shared = _open_shared(path, map_size, max_readers, sync)
+            shared = _open_shared(path, map_size, max_readers, flush_s)
             REGISTRY[path] = shared
         shared.refs += 1
         return shared
@@ -199,6 +231,8 @@ def release(path: str, shared: Shared) -> None:
             if REGISTRY.get(path) is shared:
                 del REGISTRY[path]
             if shared.pid == os.getpid():  # never in a forked child: see the module docstring
+                if shared.flusher is not None:
+                    shared.flusher.close()
                 shared.env.close()
 
 

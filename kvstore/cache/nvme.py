@@ -51,8 +51,9 @@ from types import TracebackType
 from kvstore.cache.changelog import MAX_CHANGES, TRIM_SLICE
 from kvstore.cache.claims import clock_ns
 from kvstore.cache.files import ChunkFiles, new_token
-from kvstore.cache.fsck import FsckReport, check
+from kvstore.cache.fsck import FsckReport, check, open_recovering
 from kvstore.cache.index import CacheIndex
+from kvstore.cache.index_flush import DEFAULT_FLUSH_S
 from kvstore.cache.lmdb_env import DEFAULT_MAP_SIZE
 from kvstore.cache.reading import read_into, read_stored
 from kvstore.cache.records import (
@@ -84,7 +85,8 @@ class NVMeCache:
 
     ``budget_bytes`` applies to the admissions this instance makes; give every process the same value.
     ``fsync`` makes each file durable before its index entry is committed (off by default: a file torn by a
-    power loss fails its checksum on read and becomes a miss). ``index_sync`` is LMDB's own commit fsync.
+    power loss fails its checksum on read and becomes a miss). ``index_flush_s`` is how often the index's
+    commits are made durable together (0: LMDB syncs each commit; see `kvstore.cache.index_flush`).
     ``change_log_max`` bounds the node's change log (every process's commits keep it there).
     ``direct_io`` uses O_DIRECT where the filesystem allows it (for reads alone with ``direct_writes``
     False); ``repair`` opens for fsck only (it works on a full disk: nothing is written to open it).
@@ -96,7 +98,7 @@ class NVMeCache:
         budget_bytes: int,
         *,
         fsync: bool = False,
-        index_sync: bool = True,
+        index_flush_s: float = DEFAULT_FLUSH_S,
         direct_io: bool = True,
         direct_writes: bool = True,
         repair: bool = False,
@@ -113,12 +115,15 @@ class NVMeCache:
         self._files = ChunkFiles(
             directory, fsync=fsync, direct_io=direct_io, direct_writes=direct_writes, repair=repair
         )
-        self._index = CacheIndex(
-            directory,
-            map_size=map_size,
-            max_readers=max_readers,
-            sync=index_sync,
-            change_log_max=change_log_max,
+        self._index = open_recovering(
+            self.directory,
+            lambda: CacheIndex(
+                directory,
+                map_size=map_size,
+                max_readers=max_readers,
+                flush_s=index_flush_s,
+                change_log_max=change_log_max,
+            ),
         )
         self._room = Room(self.directory, budget_bytes, self._index)
         self._touch_interval_ns = int(touch_flush_interval_s * 1e9)

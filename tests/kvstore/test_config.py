@@ -345,9 +345,9 @@ def test_a_vllm_tier_takes_the_data_path_and_routing_groups() -> None:
     tier = fields_of(DataPathSettings, RoutingSettings)
     assert tier == {
         "store_url", "s3_endpoint", "region", "cache_dir", "cache_bytes", "codec", "upload_workers",
-        "upload_hold_s", "io_workers", "disk_workers", "direct_io", "direct_writes", "load_timeout_s",
-        "probe_hit_ttl_s", "probe_miss_ttl_s", "outage_cooldown_s", "prefetch_bytes", "pin_sync_s",
-        "remote_timeout_s", "remote_cooldown_s", "remote_workers", "remote_copy_queue_bytes",
+        "upload_hold_s", "io_workers", "disk_workers", "direct_io", "direct_writes", "index_flush_s",
+        "load_timeout_s", "probe_hit_ttl_s", "probe_miss_ttl_s", "outage_cooldown_s", "prefetch_bytes",
+        "pin_sync_s", "remote_timeout_s", "remote_cooldown_s", "remote_workers", "remote_copy_queue_bytes",
         "object_locality",
     }  # fmt: skip
     assert not tier & {"access_key", "secret_key", "admin_token"}  # no secret is a tier option

@@ -99,7 +99,7 @@ def test_sigkilled_writers_never_corrupt_the_cache(cache_dir: Path) -> None:
 _COMMITTER = """
 import sys
 from kvstore.cache.index import CacheIndex
-index = CacheIndex(sys.argv[1], sync=False)  # no fsync: commits back to back, a kill often lands in one
+index = CacheIndex(sys.argv[1], flush_s=60.0)  # no fsync: commits back to back, a kill often lands in one
 print("ready", flush=True)
 while True:
     index.add_counters({"commits": 1})

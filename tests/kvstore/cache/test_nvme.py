@@ -507,7 +507,7 @@ def test_contains_many_over_a_large_index(cache_dir: Path) -> None:
     """Exactly the indexed keys, in order, over one snapshot of 20,000 entries. (Its speed, ~2 us/key, is
     `kvstore bench tiers`' to measure: a wall-clock bound here only fails on a busy machine.)"""
     n = 20_000
-    with NVMeCache(cache_dir, 10**9, index_sync=False) as cache:
+    with NVMeCache(cache_dir, 10**9, index_flush_s=60.0) as cache:
         _bulk_fill(cache, n)
         keys = [k(i) for i in range(0, 2 * n, 2)]  # half hits, half misses
         assert cache.contains_many(keys) == [i < n for i in range(0, 2 * n, 2)]

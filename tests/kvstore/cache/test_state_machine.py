@@ -30,7 +30,7 @@ class CacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="nvme-sm-")
-        self.cache = NVMeCache(self.dir, BUDGET, index_sync=False, touch_buffer_max=3)
+        self.cache = NVMeCache(self.dir, BUDGET, index_flush_s=60.0, touch_buffer_max=3)
         self.stored: dict[str, bytes] = {}  # what a hit must return
         self.pins: dict[str, int] = {}
         self.must_have: set[str] = set()
@@ -211,7 +211,7 @@ def test_final_fsck_after_random_run() -> None:
     directory = tempfile.mkdtemp(prefix="nvme-sm-")
     try:
         rng = random.Random(7)
-        with NVMeCache(directory, BUDGET, index_sync=False) as cache:
+        with NVMeCache(directory, BUDGET, index_flush_s=60.0) as cache:
             for _ in range(400):
                 key = f"ns/{rng.randrange(20)}"
                 if rng.random() < 0.1:
