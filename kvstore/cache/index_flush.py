@@ -42,7 +42,7 @@ from kvstore.processes import alive
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_FLUSH_S", "IndexFlusher", "boot_id", "check_markers", "leave_marker", "suspect"]
+__all__ = ["DEFAULT_FLUSH_S", "IndexFlusher", "boot_id", "check_markers", "leave_marker", "reap", "suspect"]
 
 DEFAULT_FLUSH_S = 1.0  # a machine crash loses at most this much of the index's commits (and then rebuilds)
 
@@ -107,6 +107,22 @@ def leave_marker(index_dir: str, boot: str) -> str:
     return path
 
 
+def reap(env: lmdb.Environment, markers: list[str]) -> None:
+    """Flush the commits of this boot's dead processes (the page cache holds them); drop their markers."""
+    try:
+        env.sync(True)
+    except lmdb.Error as exc:
+        log.warning("flushing the cache index failed (the next open tries again): %s", exc)
+        return
+    _unlink_all(markers)
+
+
+def _unlink_all(paths: list[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def suspect(index_dir: str) -> bool:
     """Whether a machine crash may have damaged the index (a marker of another boot is there)."""
     boot = boot_id()
@@ -124,10 +140,8 @@ class IndexFlusher:
         self._flushed = -1
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one flush at a time (the thread's and `close`'s)
-        if reaped and self.flush():  # the dead processes' commits are durable now: their markers can go
-            for path in reaped:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+        if reaped and self.flush():
+            _unlink_all(reaped)
         self._thread = threading.Thread(target=self._run, name="kvstore-index-flush", daemon=True)
         self._thread.start()
 
@@ -158,5 +172,4 @@ class IndexFlusher:
         self._stop.set()
         self._thread.join()
         if self.flush():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._marker)
+            _unlink_all([self._marker])

@@ -120,18 +120,16 @@ REGISTRY_LOCK = threading.Lock()
 def _open_shared(path: str, map_size: int, max_readers: int, flush_s: float) -> Shared:
     """``flush_s`` > 0: commits are flushed together that often (`index_flush`); 0: LMDB syncs each one."""
     os.makedirs(path, mode=0o700, exist_ok=True)  # the index names every chunk: its owner's alone
-    boot = index_flush.boot_id() if flush_s > 0 else None
-    reaped: list[str] = []
-    marker = ""
-    if boot is not None:
-        reaped = index_flush.check_markers(path, boot)  # before any page is read: it may be damaged
+    boot = index_flush.boot_id()
+    # Every opener, whatever its own flushes: another process's may have been cut short by a machine crash.
+    reaped = index_flush.check_markers(path, boot) if boot is not None else []
     check_data_file(path)
-    if boot is not None:
+    marker = ""
+    if boot is not None and flush_s > 0:
         try:
             marker = index_flush.leave_marker(path, boot)
         except OSError as exc:  # a full disk: no commit of ours may then go unflushed
             log.warning("cache index %s: each commit syncs (no flush marker: %s)", path, exc)
-            boot = None
     # Syncing each commit, metasync off: one fsync per commit instead of two. LMDB still flushes a commit's
     # pages before its meta page, so a crash can lose the last commit but never leaves a torn index.
     env = lmdb.open(
@@ -139,7 +137,7 @@ def _open_shared(path: str, map_size: int, max_readers: int, flush_s: float) -> 
         map_size=map_size,
         max_dbs=_MAX_DBS,
         max_readers=max_readers,
-        sync=boot is None,
+        sync=not marker,
         metasync=False,
         mode=0o600,
     )
@@ -166,8 +164,10 @@ def _open_shared(path: str, map_size: int, max_readers: int, flush_s: float) -> 
             pid=os.getpid(),
         )
         _check_schema(shared, path)
-        if boot is not None:
+        if marker:
             shared.flusher = IndexFlusher(env, flush_s, marker, reaped)
+        elif reaped:
+            index_flush.reap(env, reaped)
     except BaseException:
         flushed = _flush_quietly(env) if marker else False
         env.close()

@@ -11,11 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from cache_workers import blob_for, key_for
 
 from kvstore.cache import NVMeCache, index_flush, lmdb_env
 from kvstore.cache.fsck import REBUILD_LOCK
+from kvstore.cache.index import CacheIndex
 from kvstore.cache.index_flush import leave_marker
+from kvstore.errors import IndexSuspect
 from migrations.runner import migrate
 from tests.cache_helpers import admit, read_chunk
 
@@ -99,6 +102,8 @@ def test_a_marker_of_another_boot_rebuilds_the_index_from_the_chunk_files(cache_
     os.truncate(cache_dir / "index" / "data.mdb", 8192)  # and pages it never wrote
     assert index_flush.suspect(str(cache_dir / "index"))
     assert migrate(cache_dir=cache_dir) == []  # a suspect index is never read, not even to migrate it
+    with pytest.raises(IndexSuspect):  # nor by an opener that syncs each of its own commits
+        CacheIndex(cache_dir, flush_s=0)
 
     with NVMeCache(cache_dir, 10**6) as cache:
         aside = rebuilt(cache_dir)
