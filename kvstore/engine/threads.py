@@ -22,7 +22,9 @@ kvstore-admit   1                          writes object hits to NVMe at a quiet
 ==============  =========================  =====================================================
 
 The vLLM tier adds its own job threads (one for loads, one for stores) that call the engine; the engine
-never blocks the scheduler thread itself. Pool threads start on first use, so a tool that only reads the
+never blocks the scheduler thread itself. The NVMe cache's index adds one per process,
+``kvstore-index-flush``, which makes its commits durable once per ``index_flush_s``
+(`kvstore.cache.index_flush`). Pool threads start on first use, so a tool that only reads the
 index starts none of them.
 """
 
