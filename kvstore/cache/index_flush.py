@@ -4,8 +4,8 @@ Why: on a disk with a volatile write cache (a cloud VM's virtio disk, most NVMe 
 protection) an fsync flushes everything written since the last one, every chunk file included. So an index
 commit that syncs waits for the data of every chunk stored before it: measured here, an fdatasync of a
 4 KiB page took 0.2 ms alone and 112 ms after 256 chunk files of 256 KiB, and it was 40% of a store's time
-(`bench tiers` at 256 KiB: 0.46x vLLM's `fs` tier syncing each commit, 0.92x deferred). vLLM's `fs` tier
-never syncs.
+(`bench tiers`, medians of three runs: stores at 0.70x / 0.46x vLLM's `fs` tier at 256 KiB / 2 MiB syncing
+each commit, 1.30x / 0.98x flushed once a second). vLLM's `fs` tier never syncs.
 
 The price, and how it is paid: without its own sync LMDB stays consistent after a *process* crash (the
 kernel holds its pages), but a *machine* crash can write a commit's meta page and not the pages it points
