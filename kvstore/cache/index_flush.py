@@ -42,7 +42,16 @@ from kvstore.processes import alive
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_FLUSH_S", "IndexFlusher", "boot_id", "check_markers", "leave_marker", "reap", "suspect"]
+__all__ = [
+    "DEFAULT_FLUSH_S",
+    "IndexFlusher",
+    "boot_id",
+    "check_markers",
+    "leave_marker",
+    "reap",
+    "suspect",
+    "sync",
+]
 
 DEFAULT_FLUSH_S = 1.0  # a machine crash loses at most this much of the index's commits (and then rebuilds)
 
@@ -107,14 +116,21 @@ def leave_marker(index_dir: str, boot: str) -> str:
     return path
 
 
-def reap(env: lmdb.Environment, markers: list[str]) -> None:
-    """Flush the commits of this boot's dead processes (the page cache holds them); drop their markers."""
+def sync(env: lmdb.Environment) -> bool:
+    """Make every commit so far durable (any process's: they share the page cache); False if the disk
+    refused, logged (the next flush tries again)."""
     try:
         env.sync(True)
     except lmdb.Error as exc:
-        log.warning("flushing the cache index failed (the next open tries again): %s", exc)
-        return
-    _unlink_all(markers)
+        log.warning("flushing the cache index failed: %s", exc)
+        return False
+    return True
+
+
+def reap(env: lmdb.Environment, markers: list[str]) -> None:
+    """Flush the commits of this boot's dead processes (the page cache holds them); drop their markers."""
+    if sync(env):
+        _unlink_all(markers)
 
 
 def _unlink_all(paths: list[str]) -> None:
@@ -133,15 +149,13 @@ class IndexFlusher:
     """Flushes an environment opened without LMDB's per-commit sync every ``interval_s`` when anything was
     committed (by any process), on a thread of its own; `close` flushes once more and removes the marker."""
 
-    def __init__(self, env: lmdb.Environment, interval_s: float, marker: str, reaped: list[str]) -> None:
+    def __init__(self, env: lmdb.Environment, interval_s: float, marker: str) -> None:
         self._env = env
         self._interval_s = interval_s
         self._marker = marker
         self._flushed = -1
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one flush at a time (the thread's and `close`'s)
-        if reaped and self.flush():
-            _unlink_all(reaped)
         self._thread = threading.Thread(target=self._run, name="kvstore-index-flush", daemon=True)
         self._thread.start()
 
@@ -157,14 +171,11 @@ class IndexFlusher:
     def flush(self) -> bool:
         """Make every commit so far durable; False if the disk refused (the next flush tries again)."""
         with self._lock:
-            try:
-                last = self._env.info()["last_txnid"]
-                if last != self._flushed:
-                    self._env.sync(True)
-                    self._flushed = last
-            except lmdb.Error as exc:
-                log.warning("flushing the cache index failed (the next flush tries again): %s", exc)
-                return False
+            last = self._env.info()["last_txnid"]
+            if last != self._flushed:
+                if not sync(self._env):
+                    return False
+                self._flushed = last
             return True
 
     def close(self) -> None:

@@ -165,24 +165,16 @@ def _open_shared(path: str, map_size: int, max_readers: int, flush_s: float) -> 
         )
         _check_schema(shared, path)
         if marker:
-            shared.flusher = IndexFlusher(env, flush_s, marker, reaped)
-        elif reaped:
+            shared.flusher = IndexFlusher(env, flush_s, marker)
+        if reaped:
             index_flush.reap(env, reaped)
     except BaseException:
-        flushed = _flush_quietly(env) if marker else False
+        flushed = index_flush.sync(env) if marker else False
         env.close()
         if flushed:
             os.unlink(marker)
         raise
     return shared
-
-
-def _flush_quietly(env: lmdb.Environment) -> bool:
-    try:
-        env.sync(True)
-    except lmdb.Error:
-        return False
-    return True
 
 
 def _check_schema(shared: Shared, path: str) -> None:
