@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 
 from kvstore.stores.s3_get import GetOptions, ObjectGetter
@@ -12,14 +13,17 @@ from kvstore.stores.s3_get import GetOptions, ObjectGetter
 
 class ScriptedPeer:
     """A TCP server on loopback that answers each request with the next scripted reply; a reply is raw
-    bytes, or None to close the connection without answering."""
+    bytes, or None to close the connection without answering. One connection at a time, in the order they
+    came; with ``tls``, over TLS."""
 
-    def __init__(self, replies: list[bytes | None]) -> None:
+    def __init__(self, replies: list[bytes | None], *, tls: ssl.SSLContext | None = None) -> None:
         self.replies = replies
         self.requests: list[bytes] = []
         self.connections = 0
+        self._tls = tls
         self._listener = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        scheme = "https" if tls is not None else "http"
+        self.endpoint = f"{scheme}://127.0.0.1:{self._listener.getsockname()[1]}"
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
@@ -30,6 +34,13 @@ class ScriptedPeer:
             except OSError:
                 return
             self.connections += 1
+            if self._tls is not None:
+                conn.settimeout(5)
+                try:
+                    conn = self._tls.wrap_socket(conn, server_side=True)
+                except OSError:
+                    conn.close()
+                    continue
             with conn:
                 while self.replies:
                     request = b""

@@ -415,6 +415,5 @@ class S3Store(ObjectStore):
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-        self._many.close()
         self._getter.close()
         self._http.clear()

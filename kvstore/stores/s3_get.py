@@ -21,6 +21,7 @@ caller asks its general client instead.
 from __future__ import annotations
 
 import datetime
+import errno
 import hashlib
 import hmac
 import os
@@ -31,6 +32,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import quote, urlsplit
 
 from kvstore.errors import BucketNotFound, StoreAuthError, StoreError, StoreUnavailable
@@ -38,6 +40,7 @@ from kvstore.stores.buffers import aligned_buffer
 
 __all__ = [
     "MAX_OBJECT_BYTES",
+    "Address",
     "GetOptions",
     "ObjectGetter",
     "RetryableError",
@@ -53,6 +56,9 @@ _HEAD_READ = 4096
 _MAX_ERROR_BODY = 64 << 10
 _UNSIGNED = "UNSIGNED-PAYLOAD"  # chunks carry their own checksum; and a GET has no payload
 _SIGNED_HEADERS = "host;x-amz-content-sha256;x-amz-date"
+_RESOLVE_EVERY_S = 60.0
+# One of `socket.getaddrinfo`'s answers: family, type, protocol, canonical name, address.
+Address = tuple[socket.AddressFamily, socket.SocketKind, int, str, Any]
 _CODE = re.compile(rb"<Code>([A-Za-z]+)</Code>")
 _AUTH_CODES = frozenset(
     {
@@ -134,6 +140,7 @@ class ObjectGetter:
         self._open: weakref.WeakSet[socket.socket] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._signing_key: tuple[str, bytes] = ("", b"")
+        self._resolved: tuple[float, list[Address]] = (0.0, [])  # until when, the addresses
         self._pid = os.getpid()
 
     def get(self, name: str, what: str) -> memoryview | None:
@@ -250,6 +257,57 @@ class ObjectGetter:
         with self._lock:
             self._open.add(sock)
         return sock
+
+    def connect_nowait(self) -> tuple[socket.socket, Address]:
+        """A non-blocking socket whose connection to the endpoint is under way, and the address it goes to,
+        for a caller that opens many at once on one thread (`s3_get_many`): once the socket is writable,
+        `connected` finishes it. Raises OSError when the connection cannot even start."""
+        address = self._address()
+        sock = socket.socket(address[0], address[1], address[2])
+        try:
+            sock.setblocking(False)
+            err = sock.connect_ex(address[4])
+            if err not in (0, errno.EINPROGRESS):
+                self._demote(address)
+                raise OSError(err, os.strerror(err))
+        except BaseException:
+            sock.close()
+            raise
+        return sock, address
+
+    def connected(self, sock: socket.socket, address: Address) -> socket.socket:
+        """``sock`` from `connect_nowait`, now writable, ready for its request; on TLS a socket wrapped for a
+        handshake the caller drives (`do_handshake` until it no longer asks to wait). Raises OSError if the
+        connection failed (the next connection tries the endpoint's next address, if it has one)."""
+        err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err:
+            self._demote(address)
+            raise OSError(err, os.strerror(err))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._tls_context is not None:
+            sock = self._tls_context.wrap_socket(
+                sock, server_hostname=self._host, do_handshake_on_connect=False
+            )
+        with self._lock:
+            self._open.add(sock)
+        return sock
+
+    def _address(self) -> Address:
+        """The endpoint's address to connect to: resolved once a minute, not per connection (a name lookup
+        would hold up every GET in flight on the thread that opens it)."""
+        expires, addresses = self._resolved
+        now = time.monotonic()
+        if now >= expires or not addresses:
+            addresses = list(socket.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM))
+            self._resolved = (now + _RESOLVE_EVERY_S, addresses)
+        return addresses[0]
+
+    def _demote(self, address: Address) -> None:
+        """Connecting to ``address`` failed: the endpoint's other addresses come first from now on (a name
+        whose first address is IPv6 where the server listens on IPv4 alone)."""
+        expires, addresses = self._resolved
+        if len(addresses) > 1 and addresses[0] == address:
+            self._resolved = (expires, [*addresses[1:], address])
 
     def _drop(self, sock: socket.socket) -> None:
         self._local.sock, self._local.reused = None, False

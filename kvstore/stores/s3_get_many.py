@@ -15,6 +15,12 @@ dropped and the object is asked once more through ``fallback``, the blocking cli
 retries and error translation. A connection that was idle and is found closed before any answer is opened
 again and the GET sent again, as every HTTP client does. Each GET's attempt is bounded as `ObjectGetter`'s
 is; one that passes its deadline ends the call with `StoreUnavailable`.
+
+A new node has no connection yet: the loop opens the ones it lacks itself, all at once and none blocking
+(connect, then on TLS the handshake, each step taken when the socket is ready), so the first GETs go out after
+one round trip, not after sixteen one after another. Research, 2026-12-06 (loopback, 16 connections): 40-53
+µs of CPU and 0.6-0.9 ms a round so, against 100-120 µs and 3.6-6.6 ms through blocking connects on eight
+threads, as this loop opened them before.
 """
 
 from __future__ import annotations
@@ -26,13 +32,12 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
 from kvstore.errors import StoreError, StoreUnavailable
 from kvstore.stores.base import Buffer
 from kvstore.stores.buffers import aligned_buffer
-from kvstore.stores.s3_get import MAX_OBJECT_BYTES, ObjectGetter, RetryableError, parse_head
+from kvstore.stores.s3_get import MAX_OBJECT_BYTES, Address, ObjectGetter, parse_head
 
 __all__ = ["ManyGets"]
 
@@ -42,8 +47,9 @@ _HEAD_READ = 4096
 _MAX_HEAD_BYTES = 64 << 10
 _MAX_MISSING_BODY = 64 << 10  # a 404's XML error document
 _MAX_IDLE = 64  # kept-alive connections between calls, for every thread of the process together
-_CONNECTORS = 8  # threads that open missing connections together
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError)
+# What a connection waits for: its opening (TCP, then TLS), then its answer.
+_CONNECTING, _HANDSHAKING, _ANSWERING = 0, 1, 2
 
 
 class _Failed(Exception):
@@ -58,6 +64,7 @@ class _Connection(Generic[_T]):
     """One non-blocking connection and the answer it is reading."""
 
     __slots__ = (
+        "address",
         "body",
         "deadline",
         "filled",
@@ -66,19 +73,26 @@ class _Connection(Generic[_T]):
         "keep",
         "length",
         "name",
+        "request",
         "reused",
         "sock",
+        "stage",
         "status",
         "tag",
     )
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(
+        self, sock: socket.socket, *, stage: int = _ANSWERING, address: Address | None = None
+    ) -> None:
         sock.setblocking(False)
         self.sock = sock
+        self.stage = stage
+        self.address = address  # where a connection being opened goes
         self.head = bytearray(_MAX_HEAD_BYTES)
         self.reused = False
         self.tag: _T
         self.name = ""
+        self.request = b""
         self.deadline = 0.0
         self._reset()
 
@@ -89,14 +103,39 @@ class _Connection(Generic[_T]):
         self.keep = True
 
     def send(self, tag: _T, name: str, request: bytes, deadline: float) -> None:
-        self.tag, self.name, self.deadline = tag, name, deadline
+        """Send the GET of ``name`` (on an open connection; one being opened sends it once open)."""
+        self.tag, self.name, self.request, self.deadline = tag, name, request, deadline
         self._reset()
+        if self.stage != _ANSWERING:
+            return
         try:
             sent = self.sock.send(request)  # a few hundred bytes into an empty send buffer
         except OSError:
             raise _Failed(before_answer=True) from None
         if sent != len(request):
             raise _Failed(before_answer=False)  # part of a request is on the wire: the connection is spoilt
+
+    def open_further(self, getter: ObjectGetter) -> int:
+        """The next step of opening this connection, its socket ready for it; then the selector events it
+        waits for (EVENT_READ for the answer once its request is sent). `_Failed` if it cannot open."""
+        try:
+            if self.stage == _CONNECTING:
+                assert self.address is not None
+                self.sock = getter.connected(self.sock, self.address)
+                self.stage = _HANDSHAKING if isinstance(self.sock, ssl.SSLSocket) else _ANSWERING
+            if self.stage == _HANDSHAKING:
+                assert isinstance(self.sock, ssl.SSLSocket)
+                try:
+                    self.sock.do_handshake()
+                except ssl.SSLWantReadError:
+                    return selectors.EVENT_READ
+                except ssl.SSLWantWriteError:
+                    return selectors.EVENT_WRITE
+                self.stage = _ANSWERING
+        except OSError:  # refused, reset, TLS refused (the blocking client says which)
+            raise _Failed(before_answer=True) from None
+        self.send(self.tag, self.name, self.request, self.deadline)
+        return selectors.EVENT_READ
 
     def read(self, getter: ObjectGetter) -> bool:
         """Read what has arrived; True once the whole answer is in."""
@@ -161,7 +200,6 @@ class ManyGets:
         self.getter = getter
         self.fallback = fallback
         self._idle: list[_Connection[Any]] = []  # kept alive, no call using them; the newest last
-        self._connector: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._pid = os.getpid()
 
@@ -187,49 +225,11 @@ class ManyGets:
                         more = False
                     else:
                         items.append(item)
-                self._reserve(len(items))
                 for tag, name in items:
                     round_.start(tag, name)
                 if not round_.busy:
                     return
                 round_.wait()
-
-    def close(self) -> None:
-        """Stop the threads that open connections (the connections are the getter's to close)."""
-        with self._lock:
-            pool, self._connector = self._connector, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
-
-    def _reserve(self, wanted: int) -> None:
-        """At least ``wanted`` idle connections where possible: what is missing is opened at once, on threads
-        of its own (a TLS handshake is a few round trips; sixteen in a row would delay a new node's first
-        GETs by as many). One missing connection is left to the round, which opens it inline."""
-        if wanted <= 1:  # a refill after one answer: the common case, no lock taken
-            return
-        with self._lock:
-            self._forked()
-            missing = wanted - len(self._idle)
-            if missing <= 1:
-                return
-            if self._connector is None:
-                self._connector = ThreadPoolExecutor(_CONNECTORS, thread_name_prefix="kvstore-s3-connect")
-            connector = self._connector
-        wait = self.getter.options.attempt_timeout
-        deadline = time.monotonic() + wait
-        try:
-            opened = list(connector.map(lambda _: self._open(deadline), range(missing), timeout=wait))
-        except (RuntimeError, TimeoutError):  # closed meanwhile, or slow: the round opens what it lacks
-            return
-        for sock in opened:
-            if sock is not None:
-                self.keep(_Connection(sock))
-
-    def _open(self, deadline: float) -> socket.socket | None:
-        try:
-            return self.getter.connect(deadline)
-        except (OSError, RetryableError, StoreError):
-            return None  # the round tries again, and the blocking client says why it cannot
 
     def take_idle(self) -> _Connection[Any] | None:
         """A kept-alive connection no call is using, if there is one."""
@@ -242,10 +242,9 @@ class ManyGets:
         return None
 
     def _forked(self) -> None:
-        """In a forked child (under the lock): the parent's connections stay the parent's, and its threads
-        did not come along."""
+        """In a forked child (under the lock): the parent's connections stay the parent's."""
         if self._pid != os.getpid():
-            self._pid, self._idle, self._connector = os.getpid(), [], None
+            self._pid, self._idle = os.getpid(), []
 
     def keep(self, conn: _Connection[Any]) -> None:
         """Keep ``conn`` for the next call, on any thread (at most `_MAX_IDLE` are kept)."""
@@ -281,14 +280,15 @@ class _Round(Generic[_T]):
         self._selector.close()
 
     def start(self, tag: _T, name: str, *, fresh: bool = False) -> None:
-        """Send the GET of ``name`` on an idle connection (unless ``fresh``), else a new one; if none takes
-        it, the blocking client answers it now."""
+        """Send the GET of ``name`` on an idle connection (unless ``fresh``), else on a new one once it is
+        open; if none takes it, the blocking client answers it now."""
         conn = self._connection(tag, name, fresh=fresh)
         if conn is None:
             self._on_object(tag, self._fallback(name))
             return
         self.busy.add(conn)
-        self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+        waits_for = selectors.EVENT_WRITE if conn.stage == _CONNECTING else selectors.EVENT_READ
+        self._selector.register(conn.sock, waits_for, conn)
 
     def wait(self) -> None:
         """Until something arrived or a GET's deadline passed (`StoreUnavailable`); what completed goes to
@@ -299,6 +299,9 @@ class _Round(Generic[_T]):
             raise StoreUnavailable(f"{self._getter.describe(f'GET {late.name!r}')}: no answer in time")
         for ready, _ in self._selector.select(wait):
             conn: _Connection[_T] = ready.data
+            if conn.stage != _ANSWERING:
+                self._open_further(conn)
+                continue
             try:
                 if not conn.read(self._getter):
                     continue
@@ -313,6 +316,18 @@ class _Round(Generic[_T]):
             self._end(conn, keep=conn.keep)
             self._on_object(conn.tag, blob)
 
+    def _open_further(self, conn: _Connection[_T]) -> None:
+        """A connection being opened is ready for its next step (registered anew: TLS changes its socket)."""
+        self._selector.unregister(conn.sock)
+        try:
+            waits_for = conn.open_further(self._getter)
+        except _Failed:
+            self.busy.discard(conn)
+            conn.sock.close()
+            self._on_object(conn.tag, self._fallback(conn.name))
+            return
+        self._selector.register(conn.sock, waits_for, conn)
+
     def _end(self, conn: _Connection[_T], *, keep: bool) -> None:
         self._selector.unregister(conn.sock)
         self.busy.discard(conn)
@@ -323,8 +338,8 @@ class _Round(Generic[_T]):
             conn.sock.close()
 
     def _connection(self, tag: _T, name: str, *, fresh: bool) -> _Connection[_T] | None:
-        """A connection with the GET of ``name`` sent: an idle one, else a new one; None when none could
-        take it (the caller asks the blocking client)."""
+        """An idle connection with the GET of ``name`` sent, else a new one being opened that sends it once
+        open; None when none could take it (the caller asks the blocking client)."""
         request = self._getter.request(name)
         deadline = time.monotonic() + self._attempt
         while not fresh and (conn := self._owner.take_idle()) is not None:
@@ -334,13 +349,9 @@ class _Round(Generic[_T]):
             except _Failed:
                 conn.sock.close()
         try:
-            sock = self._getter.connect(deadline)
-        except (OSError, RetryableError, StoreError):
+            sock, address = self._getter.connect_nowait()
+        except OSError:
             return None  # the blocking client tries (and retries) and says why it cannot
-        new: _Connection[_T] = _Connection(sock)
-        try:
-            new.send(tag, name, request, deadline)
-        except _Failed:
-            sock.close()
-            return None
+        new: _Connection[_T] = _Connection(sock, stage=_CONNECTING, address=address)
+        new.send(tag, name, request, deadline)  # kept until the connection is open
         return new

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -18,7 +20,8 @@ import pytest
 from kvstore.errors import BucketNotFound, StoreUnavailable
 from kvstore.stores import S3Store
 from kvstore.stores.base import Buffer
-from kvstore.stores.s3_get import GetOptions, ObjectGetter
+from kvstore.stores.embedded_security import _make_certificates
+from kvstore.stores.s3_get import Address, GetOptions, ObjectGetter
 from kvstore.stores.s3_get_many import ManyGets
 from tests.scripted_peer import ScriptedPeer, error, ok, signing_getter
 
@@ -169,23 +172,74 @@ def test_a_server_that_never_answers_ends_the_call_at_the_deadline() -> None:
 
 
 @pytest.mark.integration
-def test_a_new_nodes_connections_are_opened_together_not_one_after_another(
+def test_a_new_nodes_connections_are_opened_together_on_the_calling_thread(
     s3_store: S3Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Against a remote TLS endpoint each opening is a few round trips: sixteen in a row would delay the first
-    # GETs of a new node by as many.
+    # Against a remote endpoint each opening is a round trip or more: sixteen in a row would delay the first
+    # GETs of a new node by as many. So every connection is under way before the first one is finished.
     for i in range(8):
         s3_store.put(f"k{i}", bytes([i]) * 100)
-    opened_on: list[str] = []
-    real_connect = s3_store._getter.connect
+    getter = s3_store._getter
+    steps: list[tuple[str, str]] = []
+    real_started, real_connected = getter.connect_nowait, getter.connected
 
-    def recording_connect(deadline: float) -> socket.socket:
-        opened_on.append(threading.current_thread().name)
-        return real_connect(deadline)
+    def started() -> tuple[socket.socket, Address]:
+        steps.append(("started", threading.current_thread().name))
+        return real_started()
 
-    monkeypatch.setattr(s3_store._getter, "connect", recording_connect)
+    def connected(sock: socket.socket, address: Address) -> socket.socket:
+        steps.append(("connected", threading.current_thread().name))
+        return real_connected(sock, address)
+
+    monkeypatch.setattr(getter, "connect_nowait", started)
+    monkeypatch.setattr(getter, "connected", connected)
+    monkeypatch.setattr(getter, "connect", lambda deadline: pytest.fail("a blocking connect"))
     got = get_all(s3_store.get_each, [f"k{i}" for i in range(8)], at_once=8)
     assert got == {i: bytes([i]) * 100 for i in range(8)}
-    assert len(opened_on) == 8
-    assert all(name.startswith("kvstore-s3-connect") for name in opened_on)
-    assert len(set(opened_on)) >= 2
+    assert [step for step, _ in steps] == ["started"] * 8 + ["connected"] * 8
+    assert {thread for _, thread in steps} == {threading.current_thread().name}
+
+
+def test_connections_open_over_tls_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _make_certificates(tmp_path)  # a private CA, and a certificate for 127.0.0.1 it signs
+    serving = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    serving.load_cert_chain(tmp_path / "weed.crt", tmp_path / "weed.key")
+    # The peer takes one connection at a time: the second handshake waits until the first answer is out.
+    replies: list[bytes | None] = [ok(b"one", "Connection: close"), ok(b"two", "Connection: close")]
+    server = ScriptedPeer(replies, tls=serving)
+    getter = signing_getter(server.endpoint, OPTIONS)
+    monkeypatch.setattr(getter, "_tls_context", ssl.create_default_context(cafile=tmp_path / "ca.crt"))
+    monkeypatch.setattr(getter, "connect", lambda deadline: pytest.fail("a blocking connect"))
+    try:
+        many = ManyGets(getter, lambda name: pytest.fail(f"{name} asked of the fallback"))
+        assert get_all(many.get_each, ["a", "b"], at_once=2) == {0: b"one", 1: b"two"}
+        assert server.connections == 2
+        assert all(request.startswith(b"GET /bucket/") for request in server.requests)
+    finally:
+        getter.close()
+        server.close()
+
+
+def test_a_refused_connection_goes_to_the_blocking_client(scripted: Scripted) -> None:
+    many, server, fell_back = scripted([ok(b"served")])
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        refusing = closed.getsockname()
+    many.getter._resolved = (float("inf"), [(socket.AF_INET, socket.SOCK_STREAM, 6, "", refusing)])
+    assert get_all(many.get_each, ["a"]) == {0: b"served"}  # the fallback connects on its own
+    assert fell_back == ["a"] and server.connections == 1
+
+
+def test_after_a_refused_address_the_next_connection_tries_the_next_one(scripted: Scripted) -> None:
+    many, server, fell_back = scripted([ok(b"one"), ok(b"two")])
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        refusing = closed.getsockname()
+    listening = ("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1]))
+    many.getter._resolved = (
+        float("inf"),
+        [(socket.AF_INET, socket.SOCK_STREAM, 6, "", address) for address in (refusing, listening)],
+    )
+    assert get_all(many.get_each, ["a"]) == {0: b"one"}
+    assert fell_back == ["a"]
+    many.getter.close()  # no idle connection left: the next GET opens one
+    assert get_all(many.get_each, ["b"]) == {0: b"two"}
+    assert fell_back == ["a"]  # the loop connected to the address that answers
