@@ -268,7 +268,7 @@ class ObjectGetter:
             sock.setblocking(False)
             err = sock.connect_ex(address[4])
             if err not in (0, errno.EINPROGRESS):
-                self._demote(address)
+                self.demote(address)
                 raise OSError(err, os.strerror(err))
         except BaseException:
             sock.close()
@@ -281,7 +281,7 @@ class ObjectGetter:
         connection failed (the next connection tries the endpoint's next address, if it has one)."""
         err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         if err:
-            self._demote(address)
+            self.demote(address)
             raise OSError(err, os.strerror(err))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._tls_context is not None:
@@ -302,9 +302,9 @@ class ObjectGetter:
             self._resolved = (now + _RESOLVE_EVERY_S, addresses)
         return addresses[0]
 
-    def _demote(self, address: Address) -> None:
-        """Connecting to ``address`` failed: the endpoint's other addresses come first from now on (a name
-        whose first address is IPv6 where the server listens on IPv4 alone)."""
+    def demote(self, address: Address) -> None:
+        """Connecting to ``address`` failed or took too long: the endpoint's other addresses come first from
+        now on (a name whose first address is IPv6 where the server listens on IPv4 alone)."""
         expires, addresses = self._resolved
         if len(addresses) > 1 and addresses[0] == address:
             self._resolved = (expires, [*addresses[1:], address])

@@ -73,6 +73,7 @@ class _Connection(Generic[_T]):
         "keep",
         "length",
         "name",
+        "opening_until",
         "request",
         "reused",
         "sock",
@@ -94,6 +95,7 @@ class _Connection(Generic[_T]):
         self.name = ""
         self.request = b""
         self.deadline = 0.0
+        self.opening_until = 0.0  # a connection still being opened then is given up (`connect_timeout`)
         self._reset()
 
     def _reset(self) -> None:
@@ -292,12 +294,18 @@ class _Round(Generic[_T]):
 
     def wait(self) -> None:
         """Until something arrived or a GET's deadline passed (`StoreUnavailable`); what completed goes to
-        ``on_object``."""
-        wait = min(conn.deadline for conn in self.busy) - time.monotonic()
-        if wait <= 0:
-            late = min(self.busy, key=lambda conn: conn.deadline)
+        ``on_object``, and so does the blocking client's answer for a connection that took too long to open
+        (its address may be unreachable where the endpoint's next one is not)."""
+        now = time.monotonic()
+        for slow in [c for c in self.busy if c.stage != _ANSWERING and c.opening_until <= now]:
+            self._give_up_opening(slow)
+        if not self.busy:
+            return
+        late = min(self.busy, key=lambda conn: conn.deadline)
+        if late.deadline <= now:
             raise StoreUnavailable(f"{self._getter.describe(f'GET {late.name!r}')}: no answer in time")
-        for ready, _ in self._selector.select(wait):
+        until = min(c.deadline if c.stage == _ANSWERING else c.opening_until for c in self.busy)
+        for ready, _ in self._selector.select(until - now):
             conn: _Connection[_T] = ready.data
             if conn.stage != _ANSWERING:
                 self._open_further(conn)
@@ -328,6 +336,14 @@ class _Round(Generic[_T]):
             return
         self._selector.register(conn.sock, waits_for, conn)
 
+    def _give_up_opening(self, conn: _Connection[_T]) -> None:
+        self._selector.unregister(conn.sock)
+        self.busy.discard(conn)
+        conn.sock.close()
+        if conn.stage == _CONNECTING and conn.address is not None:
+            self._getter.demote(conn.address)
+        self._on_object(conn.tag, self._fallback(conn.name))
+
     def _end(self, conn: _Connection[_T], *, keep: bool) -> None:
         self._selector.unregister(conn.sock)
         self.busy.discard(conn)
@@ -354,4 +370,5 @@ class _Round(Generic[_T]):
             return None  # the blocking client tries (and retries) and says why it cannot
         new: _Connection[_T] = _Connection(sock, stage=_CONNECTING, address=address)
         new.send(tag, name, request, deadline)  # kept until the connection is open
+        new.opening_until = min(deadline, time.monotonic() + self._getter.options.connect_timeout)
         return new

@@ -243,3 +243,39 @@ def test_after_a_refused_address_the_next_connection_tries_the_next_one(scripted
     many.getter.close()  # no idle connection left: the next GET opens one
     assert get_all(many.get_each, ["b"]) == {0: b"two"}
     assert fell_back == ["a"]  # the loop connected to the address that answers
+
+
+def test_a_connection_that_takes_too_long_to_open_goes_to_the_blocking_client_and_the_next_address() -> None:
+    # A listener whose backlog is full drops further SYNs: a connection to it stays pending, as to an
+    # address that is unreachable (a dual-stack name whose IPv6 route goes nowhere).
+    server = ScriptedPeer([ok(b"one"), ok(b"two")])
+    options = GetOptions(
+        connect_timeout=0.2, attempt_timeout=5.0, deadline=10.0, retries=1, backoff=0.01, backoff_max=0.05
+    )
+    getter = signing_getter(server.endpoint, options)
+    fell_back: list[str] = []
+
+    def fallback(name: str) -> Buffer | None:
+        fell_back.append(name)
+        return getter.get(name, f"GET {name!r}")
+
+    with socket.socket() as full:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        filler = socket.create_connection(full.getsockname())  # takes the one place in its backlog
+        listening = ("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1]))
+        getter._resolved = (
+            float("inf"),
+            [(socket.AF_INET, socket.SOCK_STREAM, 6, "", at) for at in (full.getsockname(), listening)],
+        )
+        try:
+            many = ManyGets(getter, fallback)
+            assert get_all(many.get_each, ["a"]) == {0: b"one"}  # not StoreUnavailable after 5 s
+            assert fell_back == ["a"]
+            getter.close()
+            assert get_all(many.get_each, ["b"]) == {0: b"two"}
+            assert fell_back == ["a"]  # the loop went to the address that answers
+        finally:
+            filler.close()
+            getter.close()
+            server.close()
