@@ -242,21 +242,16 @@ class ObjectGetter:
             raise
         except OSError as exc:
             raise RetryableError(f"cannot connect: {type(exc).__name__}") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self._tls_context is not None:
-            try:
-                sock = self._tls_context.wrap_socket(sock, server_hostname=self._host)
-            except ssl.SSLCertVerificationError as exc:
-                sock.close()
-                raise StoreError(f"TLS to {self._where}: {exc.verify_message}") from None
-            except OSError as exc:
-                sock.close()
-                if isinstance(exc, TimeoutError):
-                    raise
-                raise RetryableError(f"TLS handshake failed: {type(exc).__name__}") from None
-        with self._lock:
-            self._open.add(sock)
-        return sock
+        try:
+            return self._opened(sock, handshake=True)
+        except ssl.SSLCertVerificationError as exc:
+            sock.close()
+            raise StoreError(f"TLS to {self._where}: {exc.verify_message}") from None
+        except OSError as exc:
+            sock.close()
+            if isinstance(exc, TimeoutError):
+                raise
+            raise RetryableError(f"TLS handshake failed: {type(exc).__name__}") from None
 
     def connect_nowait(self) -> tuple[socket.socket, Address]:
         """A non-blocking socket whose connection to the endpoint is under way, and the address it goes to,
@@ -283,10 +278,15 @@ class ObjectGetter:
         if err:
             self.demote(address)
             raise OSError(err, os.strerror(err))
+        return self._opened(sock, handshake=False)
+
+    def _opened(self, sock: socket.socket, *, handshake: bool) -> socket.socket:
+        """A connected socket made ready for requests (TLS wrapped, its handshake done now or left to the
+        caller) and kept to be closed with the others by ``close``."""
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._tls_context is not None:
             sock = self._tls_context.wrap_socket(
-                sock, server_hostname=self._host, do_handshake_on_connect=False
+                sock, server_hostname=self._host, do_handshake_on_connect=handshake
             )
         with self._lock:
             self._open.add(sock)

@@ -337,9 +337,7 @@ class _Round(Generic[_T]):
         self._selector.register(conn.sock, waits_for, conn)
 
     def _give_up_opening(self, conn: _Connection[_T]) -> None:
-        self._selector.unregister(conn.sock)
-        self.busy.discard(conn)
-        conn.sock.close()
+        self._end(conn, keep=False)
         if conn.stage == _CONNECTING and conn.address is not None:
             self._getter.demote(conn.address)
         self._on_object(conn.tag, self._fallback(conn.name))
