@@ -147,6 +147,9 @@ class Point:
     # (vllm:kv_offload_lookup_async_delay_seconds): while one waits, the others' work evicts its KV above.
     deferred_requests: float = 0.0
     deferred_mean_s: float = 0.0
+    # Every counter of vLLM's offloading (vllm:kv_offload*_total, per label set) that moved during the point:
+    # CPU-tier store allocation failures, promotions refused for lack of room, chunk queries per tier...
+    offload_counters: dict[str, float] = field(default_factory=dict)
 
     def request_economy(self) -> dict[str, float]:
         """GETs and HEADs that found their chunk per chunk loaded, those that found nothing per request (the
@@ -402,7 +405,19 @@ def _run_point(
         deferred_mean_s=delta(_LOOKUP_DELAY + "_sum") / max(1.0, delta(_LOOKUP_DELAY + "_count")),
         chunks_loaded=delta(_TIER_READ_BYTES) / sizing.chunk_bytes if method in _STORAGE_METHODS else 0.0,
         chunks_stored=delta(_TIER_WRITE_BYTES) / sizing.chunk_bytes if method in _STORAGE_METHODS else 0.0,
+        offload_counters=_offload_counter_deltas(before, after),
     )
+
+
+def _offload_counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    moved: dict[str, float] = {}
+    for key, value in after.items():
+        name = key.partition("{")[0]
+        if name.startswith("vllm:kv_offload") and name.endswith("_total"):
+            grown = value - before.get(key, 0.0)
+            if grown:
+                moved[key] = round(grown, 3)
+    return moved
 
 
 def _cpu_times(pgid: int, s3_pid: int | None, agent_pid: int | None = None) -> dict[str, float]:

@@ -61,6 +61,11 @@ def test_sweep_point_beyond_the_cpu_tier(
         assert point.s3_requests["get"] > 0 and point.s3_requests["put"] > 0
         assert point.request_economy()["usd_per_million_chunks"] > 0
     assert ours.kvstore_chunks["object"]["hits"] > 0
+    # vLLM's own offloading counters over the point, as the engine published them: what both tiers read.
+    for point in (obj, ours):
+        counters = point.offload_counters
+        read = [v for k, v in counters.items() if k.startswith("vllm:kv_offload_tiering_read_bytes")]
+        assert read == [pytest.approx(point.chunks_loaded * small_sizing.chunk_bytes)], counters
     # One GET per chunk loaded from the bucket (the NVMe admission reuses its bytes; a chunk the probe
     # fetched that vLLM then did not promote, its tiny CPU tier full, is the rest); vLLM's object tier asks
     # a HEAD and a GET. Probes of each turn's new chunks (absent until stored) find nothing.
@@ -90,6 +95,7 @@ def test_sweep_point_beyond_the_cpu_tier(
     saved = json.loads(json_path.read_text())
     assert {p["method"] for p in saved["points"]} == {"cpu+obj", "cpu+ours"}
     assert saved["points"][0]["s3_requests"]
+    assert saved["points"][0]["offload_counters"]
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
