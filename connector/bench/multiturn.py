@@ -151,6 +151,11 @@ class Point:
     # CPU-tier store allocation failures, promotions refused for lack of room, chunk queries per tier...
     offload_counters: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def vllm_cpu_s(self) -> float:
+        """CPU seconds of vLLM's own processes during the point (not the node agent's or the S3 server's)."""
+        return sum(v for k, v in self.cpu_s.items() if k not in ("agent", "s3-server"))
+
     def request_economy(self) -> dict[str, float]:
         """GETs and HEADs that found their chunk per chunk loaded, those that found nothing per request (the
         probes of chunks nobody stored yet), PUTs per chunk stored, and US dollars per million chunks moved at

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
     from kvstore.connector.bench.multiturn import MultiturnReport, Sizing
+    from kvstore.connector.bench.multiturn_runs import RunsRow
     from kvstore.connector.bench.target import StoreTarget
     from kvstore.connector.harness.multiturn import Workload
 
@@ -54,6 +55,11 @@ class MultiturnOptions:
     cpu_mib: int = option(default=64, help="CPU tier (cpu_bytes_to_use), MiB")
     batched_tokens: int = option(default=2048, help="--max-num-batched-tokens")
     tier_options: str = option(default="{}", help=TIER_OPTIONS_HELP)
+    runs: int = option(
+        default=1,
+        help="Runs of the whole sweep, each starting one method later; above 1, each run's results under "
+        "run-<i>/ and every method's median ratio to the baseline (cpu+fs, else the first) in runs.json",
+    )
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,7 @@ def bench_multiturn(o: MultiturnOptions) -> None:
     fs tier vs CPU + our tier vs CPU + vLLM's object tier, swept over the number of concurrent conversations,
     with the S3 requests each method made (table, JSON, PNG)."""
     from kvstore.connector.bench.multiturn import S3_METHODS, run_multiturn, write_outputs
+    from kvstore.connector.bench.multiturn_runs import baseline_of, rotated, summarize_runs, write_runs
     from kvstore.connector.harness.multiturn import Workload
 
     try:
@@ -125,6 +132,9 @@ def bench_multiturn(o: MultiturnOptions) -> None:
     except ValueError:
         err.print(f"[red]bad --conversations:[/red] {o.conversations}")
         raise typer.Exit(EXIT_CONFIG) from None
+    if o.runs < 1:
+        err.print(f"[red]bad --runs:[/red] {o.runs} (at least 1)")
+        raise typer.Exit(EXIT_CONFIG)
     options = tier_options_or_exit(o.tier_options)
     workload = Workload(0, o.context_tokens, o.turn_tokens, o.turns, o.output_tokens, o.concurrency)
     try:
@@ -143,28 +153,68 @@ def bench_multiturn(o: MultiturnOptions) -> None:
             def start_point(method: str, n: int, requests: int) -> None:
                 run.bar.reset(run.task, total=requests, description=f"{method}, {n} conversations")
 
-            report = run_multiturn(
-                run.model_dir,
-                workload=workload,
-                conversations=counts,
-                sizing=run.sizing,
-                methods=methods,
-                store=run.target,
-                tier_options=options,
-                progress=progress,
-                on_turn=lambda _record: run.bar.advance(run.task),
-                on_point_start=start_point,
+            title = (
+                f"kvstore bench multiturn: {o.context_tokens}-token context + {o.turn_tokens} tokens x "
+                f"{o.turns} turns, {o.concurrency} in flight ({run.model_dir.name}, "
+                f"{'GPU' if o.gpu else 'CPU backend'})"
             )
+            orders = [rotated(methods, index) for index in range(o.runs)]
+            reports: list[MultiturnReport] = []
+            for index, order in enumerate(orders):
+                if o.runs > 1:
+                    progress(f"run {index + 1} of {o.runs}: {', '.join(order)}")
+                report = run_multiturn(
+                    run.model_dir,
+                    workload=workload,
+                    conversations=counts,
+                    sizing=run.sizing,
+                    methods=order,
+                    store=run.target,
+                    tier_options=options,
+                    progress=progress,
+                    on_turn=lambda _record: run.bar.advance(run.task),
+                    on_point_start=start_point,
+                )
+                reports.append(report)
+                if o.runs > 1:  # saved as each run ends: a later run's failure loses none of it
+                    write_outputs(report, o.out / f"run-{index + 1}", f"{title}, run {index + 1} of {o.runs}")
     except ValueError as exc:
         err.print(f"[red]bad arguments:[/red] {exc}")
         raise typer.Exit(EXIT_CONFIG) from None
-    title = (
-        f"kvstore bench multiturn: {o.context_tokens}-token context + {o.turn_tokens} tokens x {o.turns} "
-        f"turns, {o.concurrency} in flight ({run.model_dir.name}, {'GPU' if o.gpu else 'CPU backend'})"
-    )
-    _print(report, title, methods)
-    json_path, png_path = write_outputs(report, o.out, title)
-    console.print(f"results written to {json_path} and {png_path} ({report.elapsed_s:.0f} s)")
+    if o.runs == 1:
+        _print(reports[0], title, methods)
+        json_path, png_path = write_outputs(reports[0], o.out, title)
+        console.print(f"results written to {json_path} and {png_path} ({reports[0].elapsed_s:.0f} s)")
+        return
+    for index, report in enumerate(reports):
+        _print(report, f"{title}, run {index + 1} of {o.runs}", methods)
+    rows = summarize_runs(reports, baseline_of(methods))
+    _print_runs(rows, orders)
+    summary = write_runs(rows, orders, o.out)
+    elapsed = sum(r.elapsed_s for r in reports)
+    console.print(f"each run under {o.out}/run-<i>/, the medians in {summary} ({elapsed:.0f} s)")
+
+
+def _print_runs(rows: list[RunsRow], orders: list[list[str]]) -> None:
+    runs = table(
+        f"{len(orders)} runs, the methods' order rotated ("
+        + "; ".join(", ".join(order) for order in orders)
+        + "): each against its run's baseline, then the median",
+        ("conv", "method", "prompt tok/s", "vs baseline", "median", "CPU-tier share",
+         "vLLM CPU-s vs baseline", "median"),
+    )  # fmt: skip
+    for row in rows:
+        runs.add_row(
+            str(row.conversations),
+            row.method,
+            " / ".join(f"{v:,.0f}" for v in row.prompt_tokens_per_s),
+            " / ".join(f"{v:.2f}x" for v in row.vs_baseline),
+            f"{row.median_vs_baseline:.2f}x {row.baseline}",
+            " / ".join(f"{v:.0%}" for v in row.cpu_tier_share),
+            " / ".join(f"{v:.2f}x" for v in row.vllm_cpu_vs_baseline),
+            f"{row.median_vllm_cpu_vs_baseline:.2f}x",
+        )
+    console.print(runs)
 
 
 def _print(report: MultiturnReport, title: str, methods: list[str]) -> None:
@@ -207,11 +257,10 @@ def _print(report: MultiturnReport, title: str, methods: list[str]) -> None:
         ("conv", "method", "vLLM", "agent", "S3 server", "drain s", "agent CPU in drain"),
     )
     for p in points:
-        engine = sum(v for k, v in p.cpu_s.items() if k not in ("agent", "s3-server"))
         cpu.add_row(
             str(p.conversations),
             p.method,
-            f"{engine:.1f}",
+            f"{p.vllm_cpu_s:.1f}",
             f"{p.cpu_s.get('agent', 0.0):.1f}" if p.method in ("cpu+ours", "cpu+ours-file") else "-",
             f"{p.cpu_s.get('s3-server', 0.0):.1f}" if "s3-server" in p.cpu_s else "-",
             "-" if p.journal_drain_s is None else f"{p.journal_drain_s:.1f}",

@@ -4,8 +4,10 @@ sides of its comparison, writes its JSON, and leaves nothing in the bucket."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -85,3 +87,45 @@ def test_bench_gc_collects_its_own_prefix_only(env: dict[str, str], tmp_path: Pa
     result = json.loads(out.read_text())
     assert result["objects"] == 300 and result["deleted"] > 0 and result["gc_objects_per_s"] > 0
     assert [info.key for info in s3_store.list()] == ["ns_r0/abc/de_g0/" + "0" * 64 + ".bin"]
+
+
+@pytest.mark.vllm
+def test_bench_multiturn_runs_rotate_the_methods_and_report_the_medians(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """Two runs of a miniature sweep: the second starts with the method the first ran last, each run's
+    results in its own folder, and runs.json with every run's ratio to the fs tier in its own run."""
+    out = tmp_path / "multiturn"
+    # vLLM's engine binds a unix socket under TMPDIR: the test's own folder makes too long a path for one.
+    short_tmp = tempfile.mkdtemp(prefix="kvb-")
+    try:
+        _bench(
+            {**env, "TMPDIR": short_tmp},
+            "multiturn",
+            "--out", str(out),
+            "--methods", "cpu,cpu+fs",
+            "--runs", "2",
+            "--conversations", "2",
+            "--context-tokens", "256",
+            "--turn-tokens", "64",
+            "--turns", "2",
+            "--output-tokens", "2",
+            "--concurrency", "2",
+            "--engine-kv-mib", "4",
+            "--cpu-mib", "4",
+            "--batched-tokens", "1024",
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(short_tmp, ignore_errors=True)
+    summary = json.loads((out / "runs.json").read_text())
+    assert [run["order"] for run in summary["runs"]] == [["cpu", "cpu+fs"], ["cpu+fs", "cpu"]]
+    for index, order in enumerate([["cpu", "cpu+fs"], ["cpu+fs", "cpu"]]):
+        report = json.loads((out / f"run-{index + 1}" / "multiturn.json").read_text())
+        assert [p["method"] for p in report["points"]] == order
+    rows = {row["method"]: row for row in summary["rows"]}
+    assert set(rows) == {"cpu", "cpu+fs"}
+    assert rows["cpu+fs"]["vs_baseline"] == [1.0, 1.0]
+    cpu = rows["cpu"]
+    assert cpu["baseline"] == "cpu+fs" and len(cpu["vs_baseline"]) == 2
+    assert all(ratio > 0 for ratio in cpu["vs_baseline"])
+    assert cpu["median_vs_baseline"] == pytest.approx(sum(cpu["vs_baseline"]) / 2)
