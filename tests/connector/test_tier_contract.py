@@ -226,7 +226,11 @@ def test_a_short_tail_is_asked_of_this_node_only_when_configured(
     writer.close()
 
     def tail_lookups(tail_tokens: int, cache: str) -> tuple[list[LookupResult], int]:
-        entry = options(s3_store, tmp_path / cache, probe_tail_tokens=tail_tokens, no_wait_tail_tokens=0)
+        # No node agent of its own: its start-up reads the bucket (the store's clock, pins) whenever it gets
+        # to it, and those GETs would be counted as the lookups'.
+        entry = options(
+            s3_store, tmp_path / cache, probe_tail_tokens=tail_tokens, no_wait_tail_tokens=0, agent="external"
+        )
         reader = standalone_tier(entry, chunk_bytes=CHUNK, num_chunks=4)
         tier = reader.tier
         request = ReqContext(req_id=f"tail-{cache}")
