@@ -123,7 +123,13 @@ def bench_multiturn(o: MultiturnOptions) -> None:
     fs tier vs CPU + our tier vs CPU + vLLM's object tier, swept over the number of concurrent conversations,
     with the S3 requests each method made (table, JSON, PNG)."""
     from kvstore.connector.bench.multiturn import S3_METHODS, run_multiturn, write_outputs
-    from kvstore.connector.bench.multiturn_runs import baseline_of, rotated, summarize_runs, write_runs
+    from kvstore.connector.bench.multiturn_runs import (
+        baseline_of,
+        rotated,
+        run_folder,
+        summarize_runs,
+        write_runs,
+    )
     from kvstore.connector.harness.multiturn import Workload
 
     try:
@@ -177,7 +183,7 @@ def bench_multiturn(o: MultiturnOptions) -> None:
                 )
                 reports.append(report)
                 if o.runs > 1:  # saved as each run ends: a later run's failure loses none of it
-                    write_outputs(report, o.out / f"run-{index + 1}", f"{title}, run {index + 1} of {o.runs}")
+                    write_outputs(report, o.out / run_folder(index), f"{title}, run {index + 1} of {o.runs}")
     except ValueError as exc:
         err.print(f"[red]bad arguments:[/red] {exc}")
         raise typer.Exit(EXIT_CONFIG) from None

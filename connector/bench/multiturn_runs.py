@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvstore.connector.bench.multiturn import MultiturnReport
 
-__all__ = ["RunsRow", "baseline_of", "rotated", "summarize_runs", "write_runs"]
+__all__ = ["RunsRow", "baseline_of", "rotated", "run_folder", "summarize_runs", "write_runs"]
 
 
 def rotated(methods: Sequence[str], run: int) -> list[str]:
@@ -25,6 +25,11 @@ def rotated(methods: Sequence[str], run: int) -> list[str]:
         return []
     k = run % len(methods)
     return [*methods[k:], *methods[:k]]
+
+
+def run_folder(index: int) -> str:
+    """Where run ``index`` (from 0) keeps its results, under the benchmark's folder."""
+    return f"run-{index + 1}"
 
 
 def baseline_of(methods: Sequence[str]) -> str:
@@ -64,11 +69,12 @@ def summarize_runs(reports: Sequence[MultiturnReport], baseline: str) -> list[Ru
     rows: list[RunsRow] = []
     counts = sorted({p.conversations for r in reports for p in r.points})
     methods = list(dict.fromkeys(p.method for r in reports for p in r.points))
+    indexed = [{(p.method, p.conversations): p for p in r.points} for r in reports]
     for n in counts:
         for method in methods:
             pairs = [
                 (ours, base)
-                for by in ({(p.method, p.conversations): p for p in r.points} for r in reports)
+                for by in indexed
                 if (ours := by.get((method, n))) is not None and (base := by.get((baseline, n))) is not None
             ]
             if not pairs:
@@ -94,7 +100,8 @@ def write_runs(rows: Sequence[RunsRow], orders: Sequence[Sequence[str]], out_dir
     path = out_dir / "runs.json"
     summary = {
         "runs": [
-            {"order": list(order), "results": f"run-{i + 1}/multiturn.json"} for i, order in enumerate(orders)
+            {"order": list(order), "results": f"{run_folder(i)}/multiturn.json"}
+            for i, order in enumerate(orders)
         ],
         "rows": [
             {
