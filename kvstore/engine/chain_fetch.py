@@ -5,6 +5,11 @@ the chunks before its first miss. So keys are asked rank by rank over the chains
 then every second key...), nothing past a chain's known miss is fetched, and each hit is verified as it
 arrives and held for its load (`PrefetchBuffer`).
 
+Where the store keeps many GETs in flight, a chain's other keys wait for its first key's answer: a context
+the bucket never saw (every new conversation's first turn) then costs one GET, not one per chunk, each a 404
+the turn waits for (241-258 GETs per `bench multiturn` point, its first turns held 42-54 ms). A chain whose
+first key is found goes on at once, whatever the other chains' GETs are still waiting for.
+
 Answers are published in waves, per chain: when the chain's contiguous prefix of hits has grown by a quarter
 of the chain (at least ``_MIN_WAVE`` keys) or has reached its end (the last key, or the first miss). Each
 publication becomes one promotion job at vLLM's next step; per GET, a request of 47 chunks made 14-21 jobs,
@@ -13,6 +18,7 @@ each with its own round of GIL hand-offs on vLLM's threads, while the GETs it wa
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 from collections.abc import Callable
@@ -50,14 +56,9 @@ class ChainFetch:
         self._prefetched = prefetched
         self._on_done = on_done
         self._timeline = timeline
-        self._order = iter(
-            [
-                (c, rank)
-                for rank in range(max(map(len, chains)))
-                for c, chain in enumerate(chains)
-                if rank < len(chain)
-            ]
-        )
+        self._ready = [(0, c) for c in range(len(chains))]  # (rank, chain) to ask next, lowest rank first
+        self._held: set[int] = set()  # chains whose next key waits for their first key's answer
+        self._holds = False  # set by `start`
         self._end = [len(chain) for chain in chains]  # a chain ends at its last key or its first miss
         self._good = [[False] * len(chain) for chain in chains]
         self._published = [0] * len(chains)
@@ -76,6 +77,7 @@ class ChainFetch:
         store = self._outcomes.store
         assert store is not None
         if store.gets_many_at_once:
+            self._holds = True  # runners one GET at a time would idle while a chain is held
             self._runners = 1
             submit(lambda: self._runner(lambda store: self._get_each(store, workers)))
             return
@@ -84,13 +86,20 @@ class ChainFetch:
             submit(lambda: self._runner(self._get_one_by_one))
 
     def _next(self) -> tuple[int, int] | None:
-        """The next (chain, rank) to GET; None when there is none, or the batch stops."""
-        for at in self._order:  # a list iterator hands each item to exactly one runner
-            if self._stopped():
-                return None
-            if self._wanted(at):
-                return at
-        return None
+        """The next (chain, rank) to GET; None when there is none now (the rest of a chain may be held), or
+        the batch stops."""
+        with self._lock:
+            while self._ready and not self._stopped():
+                rank, c = heapq.heappop(self._ready)
+                if rank >= self._end[c]:
+                    continue  # past the chain's first miss
+                if rank + 1 < self._end[c]:
+                    if self._holds and rank == 0:
+                        self._held.add(c)
+                    else:
+                        heapq.heappush(self._ready, (rank + 1, c))
+                return c, rank
+            return None
 
     def _stopped(self) -> bool:
         return self.error is not None or self._stopping.is_set() or not self._outcomes.store_available
@@ -106,14 +115,24 @@ class ChainFetch:
             self._fetched(c, rank, io.fetch(store, self.chains[c][rank]))
 
     def _get_each(self, store: ObjectStore, at_once: int) -> None:
+        handed_out = True
+
         def next_item() -> tuple[tuple[int, int], str] | None:
+            nonlocal handed_out
             at = self._next()
-            return None if at is None else (at, self.chains[at[0]][at[1]])
+            if at is None:
+                return None
+            handed_out = True
+            return at, self.chains[at[0]][at[1]]
 
         def on_fetched(at: tuple[int, int], fetched: io.Fetched) -> None:
             self._fetched(*at, fetched)
 
-        io.fetch_as_they_come(store, next_item, on_fetched, at_once=at_once, wanted=self._wanted)
+        # Another round when the last handed out keys: a first key that only another region had is answered
+        # after the local region's GETs have all ended, and its chain's rest is asked then.
+        while handed_out:
+            handed_out = False
+            io.fetch_as_they_come(store, next_item, on_fetched, at_once=at_once, wanted=self._wanted)
 
     def _runner(self, get: Callable[[ObjectStore], None]) -> None:
         store = self._outcomes.store
@@ -145,6 +164,9 @@ class ChainFetch:
                 self._good[c][rank] = True
             else:
                 self._end[c] = min(self._end[c], rank)
+            if c in self._held:  # its first key: the rest goes on, or stops at this miss
+                self._held.discard(c)
+                heapq.heappush(self._ready, (1, c))
             wave = self._wave(c)
         if wave:
             outcomes.in_bucket(wave)

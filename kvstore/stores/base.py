@@ -102,8 +102,10 @@ class ObjectStore(abc.ABC):
     ) -> None:
         """`get_chunk` of the key of every ``(tag, key)`` that ``next_item`` hands out until it says None,
         each answer given to ``on_object`` with its tag as it comes, all on the calling thread. ``next_item``
-        is asked each time a GET can start, so it may skip what became useless meanwhile. Here, one after the
-        other; a backend that speaks to a server keeps up to ``at_once`` in flight."""
+        is asked each time a GET can start, so it may skip what became useless meanwhile; while GETs are in
+        flight, its None means none now (an answer may give it more), and it is asked again after the next
+        answer. Here, one after the other; a backend that speaks to a server keeps up to ``at_once`` in
+        flight."""
         while (item := next_item()) is not None:
             tag, key = item
             on_object(tag, self.get_chunk(key))

@@ -212,14 +212,15 @@ class ManyGets:
         *,
         at_once: int,
     ) -> None:
-        """GET the object of every ``(tag, name)`` that ``next_item`` hands out (None: no more), at most
-        ``at_once`` in flight, and give each answer to ``on_object`` (None: no such object) on this thread as
-        it completes. ``next_item`` is asked again whenever a connection is free, so it can stop handing out
-        or skip what became useless. Raises what the data path raises (`StoreUnavailable` when a GET gets no
+        """GET the object of every ``(tag, name)`` that ``next_item`` hands out, at most ``at_once`` in
+        flight, and give each answer to ``on_object`` (None: no such object) on this thread as it completes.
+        ``next_item`` is asked whenever a connection is free, so it can skip what became useless; its None
+        means none now: it is asked again after the next answer, and the call returns once nothing is in
+        flight and it has none. Raises what the data path raises (`StoreUnavailable` when a GET gets no
         answer in time...); GETs in flight then are abandoned, their connections closed."""
         with _Round(self, on_object) as round_:
-            more = True
             while True:
+                more = True
                 items: list[tuple[_T, str]] = []
                 while more and len(round_.busy) + len(items) < max(1, at_once):
                     item = next_item()
@@ -230,6 +231,8 @@ class ManyGets:
                 for tag, name in items:
                     round_.start(tag, name)
                 if not round_.busy:
+                    if items:
+                        continue  # the blocking client answered them: their answers may give more
                     return
                 round_.wait()
 

@@ -333,6 +333,70 @@ def test_prefix_probe_asks_first_keys_first_and_stops_a_chain_at_its_miss(
     assert [engine.lookup_cached(k) for k in second] == [Presence.REMOTE] * 3
 
 
+def test_a_chain_the_bucket_never_saw_costs_one_get(
+    s3_server: S3Server, s3_store: S3Store, cache: NVMeCache, metrics: EngineMetrics, make_engine: MakeEngine
+) -> None:
+    """A new conversation's first turn: its chain's first key is a 404, and nothing after it is asked (a
+    request can use no chunk past its first miss); a chain found in the bucket is fetched whole meanwhile."""
+    cold, found = keys(12, "cold"), keys(12, "found")
+    fill(s3_store, found)
+    engine = make_engine(s3_store, cache, metrics)
+    before = s3_server.requests(s3_store.bucket)
+    engine.probe_prefixes([cold, found])
+    wait_for(lambda: engine.probes_in_flight == 0, what="the probe")
+    assert [engine.lookup_cached(k) for k in found] == [Presence.REMOTE] * 12
+    assert engine.lookup_cached(cold[0]) is Presence.MISS
+    asked = s3_server.requests(s3_store.bucket) - before
+    assert (asked.get, asked.get_missing) == (13, 1)
+
+
+def test_a_found_chain_goes_on_while_another_chains_first_key_is_in_flight(
+    s3_store: S3Store,
+    cache: NVMeCache,
+    metrics: EngineMetrics,
+    monkeypatch: pytest.MonkeyPatch,
+    make_engine: MakeEngine,
+) -> None:
+    """The first chain's first answer is slow (held back here until every other GET has answered): the
+    second chain is fetched whole without waiting for it, and the first chain's rest is asked once it is
+    back."""
+    slow, quick = keys(4, "slow-first"), keys(4, "quick")
+    fill(s3_store, slow + quick)
+    asked: list[str] = []
+    real_get_each = s3_store.get_each
+
+    def slow_first_answer(
+        next_item: Callable[[], tuple[object, str] | None],
+        on_object: Callable[[object, Buffer | None], None],
+        *,
+        at_once: int,
+    ) -> None:
+        held: list[tuple[object, Buffer | None]] = []
+
+        def recorded() -> tuple[object, str] | None:
+            item = next_item()
+            if item is not None:
+                asked.append(item[1])
+            return item
+
+        def answer(tag: object, blob: Buffer | None) -> None:
+            if tag == (0, 0):  # (chain, rank): the slow chain's first key
+                held.append((tag, blob))
+            else:
+                on_object(tag, blob)
+
+        real_get_each(recorded, answer, at_once=at_once)
+        for tag, blob in held:
+            on_object(tag, blob)
+
+    monkeypatch.setattr(s3_store, "get_each", slow_first_answer)
+    engine = make_engine(s3_store, cache, metrics)
+    engine.probe_prefixes([slow, quick])
+    wait_for(lambda: engine.probes_in_flight == 0, what="the probe")
+    assert asked == [slow[0], *quick, *slow[1:]]
+    assert [engine.lookup_cached(k) for k in slow + quick] == [Presence.REMOTE] * 8
+
+
 def test_a_pending_key_is_probed_once_until_answered_or_asked_long_ago(
     cache: NVMeCache, metrics: EngineMetrics, make_engine: MakeEngine
 ) -> None:

@@ -88,6 +88,25 @@ def test_next_item_is_asked_only_when_a_get_can_start(s3_store: S3Store) -> None
     assert (handed, done) == (["a"], [b"a"])
 
 
+@pytest.mark.integration
+def test_none_while_a_get_is_in_flight_means_none_now_and_an_answer_may_give_more(s3_store: S3Store) -> None:
+    """A chain's rest waits for its first key's answer (`ChainFetch`): the call goes on to what it gives."""
+    for key in "abc":
+        s3_store.put(key, key.encode())
+    handed: list[str] = []
+    answered: list[bytes] = []
+
+    def next_item() -> tuple[int, str] | None:
+        key = "a" if not handed else "b" if answered and len(handed) == 1 else None  # "b" once "a" is back
+        if key is None:
+            return None
+        handed.append(key)
+        return len(handed), key
+
+    s3_store.get_each(next_item, lambda _, blob: answered.append(bytes(blob)), at_once=4)
+    assert answered == [b"a", b"b"]
+
+
 Scripted = Callable[..., tuple[ManyGets, ScriptedPeer, list[str]]]
 
 
