@@ -77,7 +77,7 @@ class ChainFetch:
         store = self._outcomes.store
         assert store is not None
         if store.gets_many_at_once:
-            self._holds = True  # runners one GET at a time would idle while a chain is held
+            self._holds = True  # (runners of one GET at a time would end, not wait, while a chain is held)
             self._runners = 1
             submit(lambda: self._runner(lambda store: self._get_each(store, workers)))
             return
