@@ -252,9 +252,11 @@ class KVStoreTier(SecondaryTierManager):
             self._update_switch_interval()
         else:
             self._engine.end_of_step()
-        idle = step_scheduled_nothing()
-        self._engine.model_running(not idle)  # what the step scheduled is computed next
-        if idle and self._idle_wait_s and (self._engine.probes_in_flight or self._jobs.in_flight):
+        if (
+            self._idle_wait_s
+            and (self._engine.probes_in_flight or self._jobs.in_flight)
+            and step_scheduled_nothing()
+        ):
             # vLLM idles until we answer: wait here rather than be asked about every chunk again a moment
             # later. A finished job or new answers end the wait: vLLM goes on with them at once.
             if self._timeline is not None:
@@ -271,9 +273,6 @@ class KVStoreTier(SecondaryTierManager):
         # By now vLLM's events tracker has the payloads of what the request loaded (it recorded them when the
         # request's lookups hit the CPU tier), so a BlockStored for them carries their tokens.
         self._unheld_tail.forget(req_context.req_id)
-        # vLLM finishes a request after the forward pass that computed its last token: none runs until the
-        # next step schedules one (which says so).
-        self._engine.model_running(False)
         served = self._served.pop(req_context.req_id, None)
         if served:
             self._announce.extend(served)

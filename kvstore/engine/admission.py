@@ -3,17 +3,11 @@
 A load served from the object store admits what it served, so the next hit stays on the node. Fetching the
 chunk again (the node agent did, at idle priority) costs a second GET per hit, and the S3 server's CPU and
 bandwidth while the request that is waiting still needs them. Writing at once would compete with that
-request's own loads and then with its forward pass, so verified hits wait here until the engine's foreground
-(loads, probes, a forward pass: ``busy``) has been quiet for ``quiet_s``, or ``max_delay_s`` at the latest,
-or until half of ``budget_bytes`` is queued (waiting longer would turn hits away), and then go to disk in one
-batch (the disk threads write the files, one index commit admits them). Until then a queued hit is served
-from here (`held`): a repeat load copies the verified bytes again and asks the bucket nothing. What does not
-fit ``budget_bytes`` is not queued: the next hit of that chunk is served from the bucket again. ``close``
-writes what is queued.
-
-Why the forward pass too (`bench vllm --words 11000`, 2026-12-07, a new node's 92 object hits of 256 KiB):
-written 50 ms after the last load, the batch landed inside the request's forward pass, which then took
-111-120 ms to its first token; with the write held until after it, 82 ms.
+request's own loads, so verified hits wait here until loads and probes have been quiet for ``quiet_s``, or
+``max_delay_s`` at the latest, and then go to disk in one batch (the disk threads write the files, one index
+commit admits them). Until then a queued hit is served from here (`held`): a repeat load copies the verified
+bytes again and asks the bucket nothing. What does not fit ``budget_bytes`` is not queued: the next hit of
+that chunk is served from the bucket again. ``close`` writes what is queued.
 """
 
 from __future__ import annotations
@@ -42,12 +36,10 @@ class Admission:
         quiet_s: float = 0.05,
         max_delay_s: float = 10.0,
     ) -> None:
-        """``write`` puts a batch on NVMe; ``busy`` says whether foreground work (loads, probes, a forward
-        pass) runs now."""
+        """``write`` puts a batch on NVMe; ``busy`` says whether foreground work (loads, probes) runs now."""
         self._write = write
         self._busy = busy
-        self._budget = budget_bytes  # what is left of it
-        self._half_full = budget_bytes // 2  # left when half of it is queued
+        self._budget = budget_bytes
         self._quiet = quiet_s
         self._max_delay = max_delay_s
         self._queued: dict[str, Fetched] = {}  # verified, waiting for the write
@@ -108,14 +100,11 @@ class Admission:
         self._batches.put(None)
 
     def _wait_quiet(self) -> None:
-        """Until the foreground has been idle for ``quiet_s``, ``max_delay_s`` passed, half the budget is
-        queued, or closing."""
+        """Until the foreground has been idle for ``quiet_s``, ``max_delay_s`` passed, or closing."""
         deadline = time.monotonic() + self._max_delay
         quiet_since: float | None = None
         while not self._closing.is_set():
             now = time.monotonic()
-            if self._budget <= self._half_full:
-                return
             if self._busy():
                 quiet_since = None
             elif quiet_since is None:

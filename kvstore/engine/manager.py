@@ -62,8 +62,6 @@ log = logging.getLogger(__name__)
 _CHANGES_PER_READ = 4096
 _PENDING, _LOCAL, _MISS = Presence.PENDING, Presence.LOCAL, Presence.MISS
 _LAST_HINTS_S = 5.0
-# The longest a forward pass is taken to run when nothing says it ended (an engine that stopped stepping).
-_MODEL_RUN_MAX_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -133,12 +131,9 @@ class TieredStore:
             self._outcomes, prefetched, self.threads, clock=clock, on_idle=self.housekeeping
         )
         self._writer = Writer(self._outcomes, self.threads, codec=codec, element_width=element_width)
-        self._model_busy_until = 0.0  # `model_running`
         self._admission = Admission(
             self._writer.admit_fetched,
-            busy=lambda: (
-                self._reader.busy or self._prober.in_flight > 0 or self._clock() < self._model_busy_until
-            ),
+            busy=lambda: self._reader.busy or self._prober.in_flight > 0,
             budget_bytes=max(prefetch_bytes, 64 << 20),
         )
         self._reader = Reader(
@@ -255,12 +250,6 @@ class TieredStore:
         answers: a scheduler idling until its lookups can be answered goes on at once, not at its next
         step."""
         self._outcomes.on_answers = wake
-
-    def model_running(self, running: bool) -> None:
-        """The engine began a forward pass (True) or has none running (False). Object hits wait for their
-        NVMe write until none runs: the request that waited for them computes next, and on a node whose
-        cores the model shares, the write would take them from it (`kvstore.engine.admission`)."""
-        self._model_busy_until = self._clock() + _MODEL_RUN_MAX_S if running else 0.0
 
     def end_of_step(self) -> None:
         """The scheduler's step is over (see `Prober.end_of_step`)."""
