@@ -1,0 +1,80 @@
+"""Admission of object hits to NVMe: held while the engine's foreground is busy, written once it is quiet or
+at the latest after ``max_delay_s``; what does not fit the budget is not held."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kvstore.engine.admission import Admission
+from kvstore.engine.io import Fetched
+from tests.helpers import wait_for
+
+SIZE = 1000
+
+
+class Foreground:
+    """What the admission asks about: busy until told otherwise; and the batches it wrote."""
+
+    def __init__(self) -> None:
+        self.busy = True
+        self.written: list[list[str]] = []
+
+    def write(self, batch: list[Fetched]) -> None:
+        self.written.append([hit.key for hit in batch])
+
+    def keys_written(self) -> list[str]:
+        return [key for batch in self.written for key in batch]
+
+
+def running(admission: Admission) -> threading.Thread:
+    thread = threading.Thread(target=admission.run, daemon=True)
+    thread.start()
+    return thread
+
+
+def hit(key: str) -> Fetched:
+    return Fetched(key, b"x" * SIZE)
+
+
+def test_hits_wait_while_the_foreground_is_busy_and_go_once_it_is_quiet() -> None:
+    foreground = Foreground()
+    admission = Admission(
+        foreground.write, lambda: foreground.busy, budget_bytes=10 * SIZE, quiet_s=0.05, max_delay_s=60
+    )
+    thread = running(admission)
+    admission.offer([hit("a"), hit("b")])
+    time.sleep(0.3)  # six times the quiet the write waits for
+    assert foreground.written == []
+    assert admission.held("a") is not None  # a repeat load copies it from here meanwhile
+    foreground.busy = False
+    wait_for(lambda: foreground.written == [["a", "b"]], what="the write once the foreground is quiet")
+    assert admission.held("a") is None
+    admission.close()
+    thread.join(5)
+
+
+def test_a_foreground_that_stays_busy_delays_the_write_by_max_delay_s_at_most() -> None:
+    foreground = Foreground()
+    admission = Admission(
+        foreground.write, lambda: foreground.busy, budget_bytes=10 * SIZE, quiet_s=0.05, max_delay_s=0.5
+    )
+    thread = running(admission)
+    admission.offer([hit("a")])
+    wait_for(lambda: foreground.written == [["a"]], timeout=5, what="the write after max_delay_s")
+    assert foreground.busy
+    admission.close()
+    thread.join(5)
+
+
+def test_what_does_not_fit_the_budget_is_not_held() -> None:
+    foreground = Foreground()
+    admission = Admission(
+        foreground.write, lambda: foreground.busy, budget_bytes=2 * SIZE, quiet_s=0.05, max_delay_s=60
+    )
+    thread = running(admission)
+    admission.offer([hit("a"), hit("b"), hit("c")])
+    assert admission.held("b") is not None and admission.held("c") is None  # its next hit asks the bucket
+    admission.close()  # writes what is queued, at once
+    thread.join(5)
+    assert foreground.keys_written() == ["a", "b"]
