@@ -67,6 +67,7 @@ class TTFTRow:
     s3_get_missing: float | None = None
     s3_put: float | None = None
     chunks_loaded: float = 0.0
+    usd_per_million_chunks: float | None = None  # those requests at S3's list prices, per chunk loaded
 
     @property
     def gets_per_chunk(self) -> float | None:
@@ -222,6 +223,8 @@ def _counted(
         asked = after - before
         row.s3_get, row.s3_get_missing, row.s3_put = asked.get, asked.get_missing, asked.put
         row.chunks_loaded = sum(r.num_cached_tokens for r in done.results[1:]) / _TOKENS_PER_CHUNK
+        if row.chunks_loaded:
+            row.usd_per_million_chunks = asked.cost_usd() / row.chunks_loaded * 1e6
     return row, done
 
 

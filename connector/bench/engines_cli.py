@@ -73,7 +73,7 @@ def _print(report: VLLMReport) -> None:
         f"(median of {report.prompts}, tiny model, CPU backend; page cache dropped before each engine: "
         f"tier files{', S3 objects' if report.s3_objects_cold else ''})",
         ("method", "TTFT s", "cached tokens", "speed-up vs recompute", "vs fs tier", "S3 GET/chunk",
-         "GET 404", "PUT"),
+         "GET 404", "PUT", "$ per 1M chunks"),
     )  # fmt: skip
     for row in report.rows:
         per = row.gets_per_chunk
@@ -86,6 +86,7 @@ def _print(report: VLLMReport) -> None:
             "-" if per is None else f"{per:.2f}",
             "-" if row.s3_get_missing is None else f"{row.s3_get_missing:.0f}",
             "-" if row.s3_put is None else f"{row.s3_put:.0f}",
+            "-" if row.usd_per_million_chunks is None else f"{row.usd_per_million_chunks:.2f}",
         )
     console.print(ttft)
     if report.timeline:

@@ -102,7 +102,7 @@ def _print(report: TiersReport, codecs: list[CodecResult], rounds: int) -> None:
         objects = table(
             "object path of a new node: first lookup to last byte loaded (GB/s)",
             ("chunk", "n", "ours, end to end", "raw parallel GET", "ours/raw", "CPU us/chunk", "raw",
-             "S3 GET/chunk", "raw"),
+             "S3 GET/chunk", "raw", "$ per 1M chunks"),
         )  # fmt: skip
         for p in report.object_path:
             objects.add_row(
@@ -115,6 +115,7 @@ def _print(report: TiersReport, codecs: list[CodecResult], rounds: int) -> None:
                 f"{p.raw_cpu_us:.0f}",
                 "-" if p.gets_per_chunk is None else f"{p.gets_per_chunk:.2f}",
                 "-" if p.raw_gets_per_chunk is None else f"{p.raw_gets_per_chunk:.2f}",
+                "-" if p.usd_per_million_chunks is None else f"{p.usd_per_million_chunks:.2f}",
             )
         console.print(objects)
         threads = table(

@@ -50,6 +50,7 @@ class ObjectPathResult:
     # GETs (and HEADs) the S3 server counted per chunk loaded: ours (probes and loads) and the raw loop's.
     gets_per_chunk: float | None = None
     raw_gets_per_chunk: float | None = None
+    usd_per_million_chunks: float | None = None  # our requests at S3's list prices, per chunk loaded
     # Where that CPU went, by thread: the scheduler's (lookups every step), our io threads' (GETs off the
     # socket, checks), obstore's runtime (HEADs, PUTs), ... (`kvstore.connector.bench.thread_cpu`).
     cpu_us_by_thread: dict[str, float] = field(default_factory=dict)
@@ -128,6 +129,7 @@ def bench_object_path(
                 after = target.requests()
                 if before is not None and after is not None:
                     asked["ours"] = (after - before).get / chunks
+                    asked["usd"] = (after - before).cost_usd() / chunks * 1e6
                 bad = [i for i in range(chunks) if not primary.same(i, chunks + i)]
                 if bad:
                     raise RuntimeError(f"{len(bad)} chunks loaded wrong bytes from the object store")
@@ -150,6 +152,7 @@ def bench_object_path(
         raw_cpu_us=statistics.median(t.cpu_s for t in baseline) / chunks * 1e6,
         gets_per_chunk=asked.get("ours"),
         raw_gets_per_chunk=asked.get("raw"),
+        usd_per_million_chunks=asked.get("usd"),
         cpu_us_by_thread=_per_chunk_by_thread(ours, chunks),
         raw_cpu_us_by_thread=_per_chunk_by_thread(baseline, chunks),
     )

@@ -56,6 +56,7 @@ def test_bench_tiers_measures_both_tiers_and_the_raw_baselines(
     assert objects["end_to_end_gb_s"] > 0 and objects["raw_get_gb_s"] > 0
     # A configured endpoint: no server counters to read, so no GETs per chunk (the embedded server has them).
     assert objects["gets_per_chunk"] is None and objects["raw_gets_per_chunk"] is None
+    assert objects["usd_per_million_chunks"] is None
     # Where the CPU went, by thread: the scheduler's lookups, our io threads, the raw loop's own pool.
     assert objects["cpu_us_by_thread"]["MainThread"] > 0 and objects["cpu_us_by_thread"]["kvstore-io"] > 0
     assert objects["raw_cpu_us_by_thread"]["raw-get"] > 0
