@@ -135,7 +135,7 @@ def finite_seconds(option: str, value: float | None, *, positive: bool = False) 
 def store_or_exit(settings: Settings, failure: str, *, subprefix: str = "") -> Iterator[ObjectStore]:
     """The configured object store (the embedded one if none), closed on exit; a store error becomes a
     message and exit code 3."""
-    from kvstore.runtime import open_object_store
+    from kvstore.storage import open_object_store
 
     try:
         store, server = open_object_store(settings, subprefix=subprefix)

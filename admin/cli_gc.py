@@ -44,7 +44,7 @@ def gc(
     from kvstore.events import open_publisher
     from kvstore.gc import run_gc
     from kvstore.lease import LeaseHeld
-    from kvstore.runtime import open_cache
+    from kvstore.storage import open_cache
 
     finite_seconds("--ttl-seconds", ttl_seconds)
     finite_seconds("--grace-seconds", grace_seconds)

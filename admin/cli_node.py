@@ -69,8 +69,8 @@ def stats(
     scan_bucket: Annotated[bool, typer.Option(help="Count the bucket's chunk objects (lists it)")] = True,
 ) -> None:
     """Per-tier usage and hit rates, NVMe usage, bucket size, pins and the last GC of this node."""
-    from kvstore.runtime import store_and_cache
     from kvstore.stats import node_stats
+    from kvstore.storage import store_and_cache
 
     try:
         with store_and_cache(settings_or_exit()) as parts:  # read-only: no engine, none of its threads

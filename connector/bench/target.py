@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 from kvstore.config import Settings
 from kvstore.connector.harness.s3_requests import RequestCounts, read_request_counts
 from kvstore.errors import KVStoreError
-from kvstore.runtime import EMBEDDED_BUCKET, open_object_store
+from kvstore.storage import EMBEDDED_BUCKET, open_object_store
 
 __all__ = ["StoreTarget", "bench_target", "environment"]
 

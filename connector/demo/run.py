@@ -46,7 +46,8 @@ from kvstore.connector.harness.multiturn import TurnRecord, Workload, replay
 from kvstore.connector.harness.tiny_model import TinyModelSpec, build_tiny_model, sample_text
 from kvstore.connector.harness.vllm_server import VLLMServer, vllm_server
 from kvstore.engine.timeline import LOOKUP, Phase, episode_phases, read_timelines
-from kvstore.runtime import EMBEDDED_BUCKET, open_node, open_object_store
+from kvstore.runtime import open_node
+from kvstore.storage import EMBEDDED_BUCKET, open_object_store
 from kvstore.stores import ObjectStore
 
 __all__ = ["DemoOptions", "DemoReport", "demo_sizing", "run_demo"]

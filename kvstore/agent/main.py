@@ -17,7 +17,7 @@ from kvstore.config import Settings
 from kvstore.metrics import EngineMetrics
 from kvstore.node.engines import StoreMismatch, check_agreement, store_identity
 from kvstore.priority import lower_priority
-from kvstore.runtime import open_cache, open_object_store
+from kvstore.storage import open_cache, open_object_store
 from kvstore.stores import ObjectStore
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ import pytest
 
 from kvstore.config import load_settings
 from kvstore.connector.bench.target import bench_target, environment
-from kvstore.runtime import EMBEDDED_BUCKET, open_object_store
+from kvstore.storage import EMBEDDED_BUCKET, open_object_store
 from kvstore.stores import open_store
 
 

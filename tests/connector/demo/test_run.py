@@ -15,7 +15,7 @@ from kvstore.connector.demo.run import DEMO_PREFIX, DemoOptions, DemoReport, _ph
 from kvstore.connector.harness.engine_runner import new_shm, shm_snapshot
 from kvstore.connector.harness.multiturn import TurnRecord
 from kvstore.engine.timeline import Timeline
-from kvstore.runtime import open_object_store
+from kvstore.storage import open_object_store
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 

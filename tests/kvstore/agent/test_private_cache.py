@@ -14,7 +14,8 @@ import pytest
 
 from kvstore.config import Settings, load_settings
 from kvstore.node.agent_files import agent_status
-from kvstore.runtime import Node, open_cache
+from kvstore.runtime import Node
+from kvstore.storage import open_cache
 from tests.engine_helpers import keys, payload
 from tests.helpers import wait_for
 

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from kvstore.chunk import HEADER_BLOCK, encode
 from kvstore.config import load_settings
 from kvstore.metrics import EngineMetrics
-from kvstore.runtime import open_object_store
+from kvstore.storage import open_object_store
 from kvstore.stores import RegionalStore, S3Options, S3Store, get_each_located, get_located
 from kvstore.stores.base import Buffer
 from tests.helpers import FakeClock
