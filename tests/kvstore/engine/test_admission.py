@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from kvstore.engine.admission import Admission
 from kvstore.engine.io import Fetched
@@ -27,10 +29,24 @@ class Foreground:
         return [key for batch in self.written for key in batch]
 
 
-def running(admission: Admission) -> threading.Thread:
+@contextmanager
+def admitting(foreground: Foreground, *, budget_chunks: int, max_delay_s: float = 60) -> Iterator[Admission]:
+    """An admission writing to ``foreground``, its thread running until the block ends (which writes what
+    is still queued)."""
+    admission = Admission(
+        foreground.write,
+        lambda: foreground.busy,
+        budget_bytes=budget_chunks * SIZE,
+        quiet_s=0.05,
+        max_delay_s=max_delay_s,
+    )
     thread = threading.Thread(target=admission.run, daemon=True)
     thread.start()
-    return thread
+    try:
+        yield admission
+    finally:
+        admission.close()
+        thread.join(5)
 
 
 def hit(key: str) -> Fetched:
@@ -39,42 +55,27 @@ def hit(key: str) -> Fetched:
 
 def test_hits_wait_while_the_foreground_is_busy_and_go_once_it_is_quiet() -> None:
     foreground = Foreground()
-    admission = Admission(
-        foreground.write, lambda: foreground.busy, budget_bytes=10 * SIZE, quiet_s=0.05, max_delay_s=60
-    )
-    thread = running(admission)
-    admission.offer([hit("a"), hit("b")])
-    time.sleep(0.3)  # six times the quiet the write waits for
-    assert foreground.written == []
-    assert admission.held("a") is not None  # a repeat load copies it from here meanwhile
-    foreground.busy = False
-    wait_for(lambda: foreground.written == [["a", "b"]], what="the write once the foreground is quiet")
-    assert admission.held("a") is None
-    admission.close()
-    thread.join(5)
+    with admitting(foreground, budget_chunks=10) as admission:
+        admission.offer([hit("a"), hit("b")])
+        time.sleep(0.3)  # six times the quiet the write waits for
+        assert foreground.written == []
+        assert admission.held("a") is not None  # a repeat load copies it from here meanwhile
+        foreground.busy = False
+        wait_for(lambda: foreground.written == [["a", "b"]], what="the write once the foreground is quiet")
+        assert admission.held("a") is None
 
 
 def test_a_foreground_that_stays_busy_delays_the_write_by_max_delay_s_at_most() -> None:
     foreground = Foreground()
-    admission = Admission(
-        foreground.write, lambda: foreground.busy, budget_bytes=10 * SIZE, quiet_s=0.05, max_delay_s=0.5
-    )
-    thread = running(admission)
-    admission.offer([hit("a")])
-    wait_for(lambda: foreground.written == [["a"]], timeout=5, what="the write after max_delay_s")
-    assert foreground.busy
-    admission.close()
-    thread.join(5)
+    with admitting(foreground, budget_chunks=10, max_delay_s=0.5) as admission:
+        admission.offer([hit("a")])
+        wait_for(lambda: foreground.written == [["a"]], timeout=5, what="the write after max_delay_s")
+        assert foreground.busy
 
 
 def test_what_does_not_fit_the_budget_is_not_held() -> None:
     foreground = Foreground()
-    admission = Admission(
-        foreground.write, lambda: foreground.busy, budget_bytes=2 * SIZE, quiet_s=0.05, max_delay_s=60
-    )
-    thread = running(admission)
-    admission.offer([hit("a"), hit("b"), hit("c")])
-    assert admission.held("b") is not None and admission.held("c") is None  # its next hit asks the bucket
-    admission.close()  # writes what is queued, at once
-    thread.join(5)
-    assert foreground.keys_written() == ["a", "b"]
+    with admitting(foreground, budget_chunks=2) as admission:
+        admission.offer([hit("a"), hit("b"), hit("c")])
+        assert admission.held("b") is not None and admission.held("c") is None  # its next hit asks the bucket
+    assert foreground.keys_written() == ["a", "b"]  # closing wrote what was queued, at once
