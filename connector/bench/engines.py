@@ -224,7 +224,7 @@ def _counted(
         row.s3_get, row.s3_get_missing, row.s3_put = asked.get, asked.get_missing, asked.put
         row.chunks_loaded = sum(r.num_cached_tokens for r in done.results[1:]) / _TOKENS_PER_CHUNK
         if row.chunks_loaded:
-            row.usd_per_million_chunks = asked.cost_usd() / row.chunks_loaded * 1e6
+            row.usd_per_million_chunks = asked.usd_per_million(row.chunks_loaded)
     return row, done
 
 

@@ -90,7 +90,7 @@ class MethodResult:
             if self.chunks_loaded
             else 0.0,
             "put_per_chunk_stored": counts.put / self.chunks_stored if self.chunks_stored else 0.0,
-            "usd_per_million_chunks": counts.cost_usd() / moved * 1e6 if moved else 0.0,
+            "usd_per_million_chunks": counts.usd_per_million(moved),
         }
 
 

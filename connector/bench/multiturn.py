@@ -169,7 +169,7 @@ class Point:
             "get_per_chunk_loaded": found / self.chunks_loaded if self.chunks_loaded else 0.0,
             "missing_gets_per_request": counts.get_missing / self.requests if self.requests else 0.0,
             "put_per_chunk_stored": counts.put / self.chunks_stored if self.chunks_stored else 0.0,
-            "usd_per_million_chunks": counts.cost_usd() / moved * 1e6 if moved else 0.0,
+            "usd_per_million_chunks": counts.usd_per_million(moved),
         }
 
 

@@ -128,8 +128,8 @@ def bench_object_path(
                 ours.append(_scheduler_loads(tier, keys, chunks))
                 after = target.requests()
                 if before is not None and after is not None:
-                    asked["ours"] = (after - before).get / chunks
-                    asked["usd"] = (after - before).cost_usd() / chunks * 1e6
+                    counted = after - before
+                    asked["ours"], asked["usd"] = counted.get / chunks, counted.usd_per_million(chunks)
                 bad = [i for i in range(chunks) if not primary.same(i, chunks + i)]
                 if bad:
                     raise RuntimeError(f"{len(bad)} chunks loaded wrong bytes from the object store")

@@ -41,6 +41,11 @@ class RequestCounts:
         """What these requests cost at S3's list prices."""
         return sum(float(getattr(self, kind)) * price / 1e6 for kind, price in S3_PRICES_PER_MILLION.items())
 
+    def usd_per_million(self, chunks: float) -> float:
+        """What these requests cost per million of ``chunks`` (loaded, moved...) at S3's list prices; 0 for
+        no chunks."""
+        return self.cost_usd() / chunks * 1e6 if chunks else 0.0
+
 
 def read_request_counts(
     metrics_url: str, *, bucket: str | None = None, timeout_s: float = 5.0
