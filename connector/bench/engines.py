@@ -51,7 +51,7 @@ DESCRIPTIONS = {
     "ours-bucket": "KVStoreTier, object store only (new node)",
     "obj": "vLLM obj tier, object store (new engine)",
 }
-_TOKENS_PER_CHUNK = 128  # vLLM's CPU backend: one block per chunk
+_BLOCK_TOKENS = 128  # vLLM's CPU backend: a chunk is one block unless `chunk_tokens` says more
 _MAX_MODEL_LEN = 16384  # the tiny model's positions: room for the seed's 12K-token prompt (--words 11000)
 
 
@@ -96,6 +96,7 @@ class VLLMReport:
     timeline: list[Phase] = field(default_factory=list)  # our new node's request, phase by phase
     timeline_counts: dict[str, float] = field(default_factory=dict)  # steps, lookups, jobs: medians
     s3_objects_cold: bool = False  # the local S3 server's objects were dropped from the page cache too
+    chunk_tokens: int = _BLOCK_TOKENS  # tokens per offloaded chunk, every method alike
     scheduler: list[SchedulerCost] = field(default_factory=list)
 
     def to_json(self) -> str:
@@ -139,6 +140,7 @@ def bench_ttft(
     methods: Sequence[str] = TTFT_METHODS,
     workdir: Path | None = None,
     progress: Callable[[str], None] = print,
+    chunk_tokens: int = 0,
 ) -> VLLMReport:
     unknown = sorted(set(methods) - set(TTFT_METHODS))
     if unknown or "recompute" not in methods or "fs" not in methods:
@@ -158,7 +160,16 @@ def bench_ttft(
             ours["s3_endpoint"] = target.endpoint
         counted = run_engine(model, [texts[0]], max_tokens=1, max_model_len=_MAX_MODEL_LEN)
         tokens = counted.results[0].prompt_len
-        report = VLLMReport(prompt_tokens=tokens, prompts=prompts, methods=list(methods))
+        report = VLLMReport(
+            prompt_tokens=tokens,
+            prompts=prompts,
+            methods=list(methods),
+            chunk_tokens=chunk_tokens or _BLOCK_TOKENS,
+        )
+
+        def tiering(tier: dict[str, Any]) -> dict[str, Any]:
+            return cpu_tiering_config(tier, chunk_tokens=chunk_tokens)
+
         report.s3_objects_cold = target.server_dir is not None
         rows: dict[str, TTFTRow] = {}
         for method in methods:
@@ -167,33 +178,37 @@ def bench_ttft(
                 rows[method] = _row(method, _ttft(model, texts, None, env))
             elif method == "fs":
                 progress("vLLM fs tier: fill, then a fresh engine")
-                fs = cpu_tiering_config({"type": "fs", "root_dir": str(root / "fs")})
+                fs = tiering({"type": "fs", "root_dir": str(root / "fs")})
                 _fill(model, texts, fs, env)
                 evict_page_cache(root / "fs")
                 rows[method] = _row(method, _ttft(model, texts, fs, env))
             elif method == "ours-nvme":
                 progress("KVStoreTier: fill, then a fresh engine on the same NVMe cache")
-                _fill(model, texts, cpu_tiering_config(ours), env)
+                _fill(model, texts, tiering(ours), env)
                 evict_page_cache(root / "nvme-a")
-                rows[method] = _row(method, _ttft(model, texts, cpu_tiering_config(ours), env))
+                rows[method] = _row(method, _ttft(model, texts, tiering(ours), env))
             elif method == "ours-bucket":
                 progress("KVStoreTier: a fresh node (empty NVMe cache, same bucket)")
                 if "ours-nvme" not in rows:
-                    _fill(model, texts, cpu_tiering_config(ours), env)
+                    _fill(model, texts, tiering(ours), env)
                 wait_uploaded_in(root / "nvme-a", 600)  # the node agent the tier started uploads them
                 path = root / "timeline.jsonl"
                 fresh = {**ours, "cache_dir": str(root / "nvme-b"), "timeline_path": str(path)}
                 if target.server_dir is not None:
                     evict_page_cache(target.server_dir)
-                rows[method], run = _counted(method, target, model, texts, cpu_tiering_config(fresh), env)
+                rows[method], run = _counted(
+                    method, target, model, texts, tiering(fresh), env, report.chunk_tokens
+                )
                 report.timeline, report.timeline_counts = phases(read_timelines(path)[-prompts:], run)
             else:
                 progress("vLLM obj tier: fill, then a fresh engine")
                 entry, obj_env = target.obj_tier(f"ttft-obj-{time.time_ns()}")
-                _fill(model, texts, cpu_tiering_config(entry), obj_env)
+                _fill(model, texts, tiering(entry), obj_env)
                 if target.server_dir is not None:
                     evict_page_cache(target.server_dir)
-                rows[method], _ = _counted(method, target, model, texts, cpu_tiering_config(entry), obj_env)
+                rows[method], _ = _counted(
+                    method, target, model, texts, tiering(entry), obj_env, report.chunk_tokens
+                )
         recompute, fs_ttft = rows["recompute"].ttft_s, rows["fs"].ttft_s
         for method in methods:
             row = rows[method]
@@ -213,6 +228,7 @@ def _counted(
     texts: list[str],
     config: dict[str, Any],
     env: dict[str, str],
+    chunk_tokens: int,
 ) -> tuple[TTFTRow, EngineRun]:
     """The method's row from a fresh engine's TTFT run, with the S3 requests the server counted meanwhile."""
     before = target.requests()
@@ -222,7 +238,7 @@ def _counted(
     if before is not None and after is not None:
         asked = after - before
         row.s3_get, row.s3_get_missing, row.s3_put = asked.get, asked.get_missing, asked.put
-        row.chunks_loaded = sum(r.num_cached_tokens for r in done.results[1:]) / _TOKENS_PER_CHUNK
+        row.chunks_loaded = sum(r.num_cached_tokens for r in done.results[1:]) / chunk_tokens
         if row.chunks_loaded:
             row.usd_per_million_chunks = asked.usd_per_million(row.chunks_loaded)
     return row, done

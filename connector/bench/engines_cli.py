@@ -31,6 +31,11 @@ class VLLMOptions:
         help="TTFT methods in the order they run (rotate it between runs): recompute, fs, ours-nvme, "
         "ours-bucket (a new node), obj (vLLM's object tier); recompute and fs are the baselines",
     )
+    chunk_tokens: int = option(
+        default=0,
+        help="Tokens per offloaded chunk for every method, a multiple of 128 (vLLM's block_size; 0: one "
+        "block, vLLM's default). Each chunk is one object in the bucket.",
+    )
     steps: int = option(default=200, help="Scheduler steps for the overhead measurement")
     output: Path = option(default=Path("bench-results/vllm.json"), help="JSON results file")
 
@@ -49,8 +54,17 @@ def bench_vllm(o: VLLMOptions) -> None:
     methods = [m.strip() for m in o.methods.split(",") if m.strip()]
     if any(m not in TTFT_METHODS for m in methods) or not {"recompute", "fs"} <= set(methods):
         refuse("bad --methods", f"{o.methods!r}: recompute and fs, and any of {', '.join(TTFT_METHODS)}")
+    if o.chunk_tokens < 0 or o.chunk_tokens % 128:
+        refuse("bad --chunk-tokens", f"{o.chunk_tokens}: 0 or a positive multiple of 128 (vLLM's CPU block)")
     with bench_target(settings_or_exit(), "vllm") as target:
-        report = bench_ttft(target, words=o.words, prompts=o.prompts, methods=methods, progress=progress)
+        report = bench_ttft(
+            target,
+            words=o.words,
+            prompts=o.prompts,
+            methods=methods,
+            progress=progress,
+            chunk_tokens=o.chunk_tokens,
+        )
         progress("scheduler-thread cost")
         with environment(target.env):
             for interval, loads in _SCHEDULER_RUNS:
@@ -69,9 +83,9 @@ def bench_vllm(o: VLLMOptions) -> None:
 
 def _print(report: VLLMReport) -> None:
     ttft = table(
-        f"kvstore bench vllm: TTFT of a {report.prompt_tokens}-token prompt "
-        f"(median of {report.prompts}, tiny model, CPU backend; page cache dropped before each engine: "
-        f"tier files{', S3 objects' if report.s3_objects_cold else ''})",
+        f"kvstore bench vllm: TTFT of a {report.prompt_tokens}-token prompt in {report.chunk_tokens}-token "
+        f"chunks (median of {report.prompts}, tiny model, CPU backend; page cache dropped before each "
+        f"engine: tier files{', S3 objects' if report.s3_objects_cold else ''})",
         ("method", "TTFT s", "cached tokens", "speed-up vs recompute", "vs fs tier", "S3 GET/chunk",
          "GET 404", "PUT", "$ per 1M chunks"),
     )  # fmt: skip

@@ -37,7 +37,7 @@ BLOCK_TOKENS = 128  # vLLM's block size on the CPU backend
 
 
 def tier_config(
-    server: Any, store: Any, cache_dir: Path, cache_bytes: int = 1 << 30, **extra: Any
+    server: Any, store: Any, cache_dir: Path, cache_bytes: int = 1 << 30, chunk_tokens: int = 0, **extra: Any
 ) -> dict[str, Any]:
     tier = {
         "type": "KVStoreTier",
@@ -52,7 +52,7 @@ def tier_config(
         "stats_interval_s": 0.05,
         **extra,
     }
-    return cpu_tiering_config(tier)
+    return cpu_tiering_config(tier, chunk_tokens=chunk_tokens)
 
 
 def uploaded(cache_dir: Path) -> None:
@@ -150,6 +150,40 @@ def test_restart_and_fleet_sharing(
     left = set(chunk_objects(s3_store))
     assert used <= left, f"GC deleted {len(used - left)} chunks the tiers had just used"
     assert not idle & left and report.deleted == len(idle)
+
+
+def test_a_new_node_loads_chunks_of_several_blocks_from_the_bucket(
+    tiny_model: Path, s3_server: Any, s3_store: ObjectStore, tmp_path: Path
+) -> None:
+    """vLLM's `block_size` at two blocks: each chunk of 256 tokens is one object. A new node gets the prompt
+    from the bucket in those objects, every block bit-identical to the cold engine's. A node chunking by one
+    block shares no key with them (another namespace): neither reads an object of the other's size."""
+    prompt = sample_text(1400, seed=21)
+    chunk = 2 * BLOCK_TOKENS
+
+    def run(node: str, chunk_tokens: int) -> EngineRun:
+        cfg = tier_config(s3_server, s3_store, tmp_path / node, chunk_tokens=chunk_tokens)
+        return run_engine(tiny_model, [prompt], kv_transfer_config=cfg, env=creds(s3_server), kv_digests=True)
+
+    cold = run("nvme-a", chunk)
+    uploaded(tmp_path / "nvme-a")
+    ref = cold.results[0]
+    chunks = ref.prompt_len // chunk
+    assert chunks >= 3 and len(chunk_objects(s3_store)) == chunks, cold.log_tail
+
+    remote = run("nvme-b", chunk)
+    assert remote.results[0].num_cached_tokens == chunks * chunk, remote.log_tail
+    assert_same_kv(remote.results[0], ref, remote.log_tail)
+    assert remote.metric("vllm:kvstore_chunk_hits", tier="object") == chunks
+
+    by_block = run("nvme-c", 0)
+    uploaded(tmp_path / "nvme-c")
+    assert by_block.results[0].num_cached_tokens == 0, by_block.log_tail
+    assert by_block.metric("vllm:kvstore_read_bytes", tier="object") == 0
+    # Its chunks went under a namespace of their own, none taken for (or skipped as) a 256-token one.
+    objects = chunk_objects(s3_store)
+    assert len(objects) == chunks + ref.prompt_len // BLOCK_TOKENS
+    assert len({key.split("/", 1)[0] for key in objects}) == 2, objects
 
 
 def test_store_down_at_start_and_mid_run(
