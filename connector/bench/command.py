@@ -37,10 +37,12 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 __all__ = [
+    "CHUNK_TOKENS_HELP",
     "TIER_OPTIONS_HELP",
     "BenchCommand",
     "bench_command",
     "bench_options",
+    "chunk_tokens_or_exit",
     "option",
     "progress",
     "refuse",
@@ -54,6 +56,10 @@ OptionsT = TypeVar("OptionsT", bound="DataclassInstance")
 
 _HELP = "help"  # the metadata key of an option's help line
 TIER_OPTIONS_HELP = "More options for our tier's entry, a JSON object"
+CHUNK_TOKENS_HELP = (
+    "Tokens per offloaded chunk for every method, a multiple of 128 (vLLM's block_size; 0: one block, "
+    "vLLM's default). Each chunk is one object in the bucket."
+)
 
 
 def option(*, default: T, help: str) -> T:
@@ -133,6 +139,13 @@ def refuse(label: str, message: object) -> NoReturn:
     """A bad option: one line naming it, exit code 2."""
     say(label, message)
     raise typer.Exit(EXIT_CONFIG)
+
+
+def chunk_tokens_or_exit(tokens: int) -> int:
+    """`--chunk-tokens`, checked: 0 or a positive multiple of vLLM's CPU block (128 tokens); else exit 2."""
+    if tokens < 0 or tokens % 128:
+        refuse("bad --chunk-tokens", f"{tokens}: 0 or a positive multiple of 128 (vLLM's CPU block)")
+    return tokens
 
 
 def tier_options_or_exit(text: str) -> dict[str, object]:

@@ -7,8 +7,10 @@ from typing import TYPE_CHECKING
 
 from kvstore.admin.cli_common import console, settings_or_exit
 from kvstore.connector.bench.command import (
+    CHUNK_TOKENS_HELP,
     bench_command,
     bench_options,
+    chunk_tokens_or_exit,
     option,
     progress,
     refuse,
@@ -31,11 +33,7 @@ class VLLMOptions:
         help="TTFT methods in the order they run (rotate it between runs): recompute, fs, ours-nvme, "
         "ours-bucket (a new node), obj (vLLM's object tier); recompute and fs are the baselines",
     )
-    chunk_tokens: int = option(
-        default=0,
-        help="Tokens per offloaded chunk for every method, a multiple of 128 (vLLM's block_size; 0: one "
-        "block, vLLM's default). Each chunk is one object in the bucket.",
-    )
+    chunk_tokens: int = option(default=0, help=CHUNK_TOKENS_HELP)
     steps: int = option(default=200, help="Scheduler steps for the overhead measurement")
     output: Path = option(default=Path("bench-results/vllm.json"), help="JSON results file")
 
@@ -54,8 +52,6 @@ def bench_vllm(o: VLLMOptions) -> None:
     methods = [m.strip() for m in o.methods.split(",") if m.strip()]
     if any(m not in TTFT_METHODS for m in methods) or not {"recompute", "fs"} <= set(methods):
         refuse("bad --methods", f"{o.methods!r}: recompute and fs, and any of {', '.join(TTFT_METHODS)}")
-    if o.chunk_tokens < 0 or o.chunk_tokens % 128:
-        refuse("bad --chunk-tokens", f"{o.chunk_tokens}: 0 or a positive multiple of 128 (vLLM's CPU block)")
     with bench_target(settings_or_exit(), "vllm") as target:
         report = bench_ttft(
             target,
@@ -63,7 +59,7 @@ def bench_vllm(o: VLLMOptions) -> None:
             prompts=o.prompts,
             methods=methods,
             progress=progress,
-            chunk_tokens=o.chunk_tokens,
+            chunk_tokens=chunk_tokens_or_exit(o.chunk_tokens),
         )
         progress("scheduler-thread cost")
         with environment(target.env):

@@ -9,9 +9,11 @@ import typer
 
 from kvstore.admin.cli_common import console, say
 from kvstore.connector.bench.command import (
+    CHUNK_TOKENS_HELP,
     TIER_OPTIONS_HELP,
     bench_command,
     bench_options,
+    chunk_tokens_or_exit,
     option,
     progress,
     refuse,
@@ -46,6 +48,7 @@ class FleetOptions:
     cpu_mib: int = option(default=64, help="Each node's CPU tier (cpu_bytes_to_use), MiB")
     nvme_gib: float = option(default=8.0, help="Each node's NVMe cache budget (ours), GiB")
     batched_tokens: int = option(default=2048, help="--max-num-batched-tokens")
+    chunk_tokens: int = option(default=0, help=CHUNK_TOKENS_HELP)
     pin_nodes: bool = option(
         default=True, help="Give each node's server its own half of the CPUs, as nodes have their own"
     )
@@ -102,6 +105,7 @@ def bench_fleet(o: FleetOptions) -> None:
             engine_kv_mib=o.engine_kv_mib,
             cpu_mib=o.cpu_mib,
             batched_tokens=o.batched_tokens,
+            chunk_tokens=chunk_tokens_or_exit(o.chunk_tokens),
         ) as run:
             report = run_fleet(
                 run.model_dir,

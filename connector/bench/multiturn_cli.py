@@ -13,9 +13,11 @@ import typer
 
 from kvstore.admin.cli_common import EXIT_CONFIG, console, err, settings_or_exit
 from kvstore.connector.bench.command import (
+    CHUNK_TOKENS_HELP,
     TIER_OPTIONS_HELP,
     bench_command,
     bench_options,
+    chunk_tokens_or_exit,
     option,
     progress,
     table,
@@ -54,6 +56,7 @@ class MultiturnOptions:
     engine_kv_mib: int = option(default=32, help="Engine KV cache (--kv-cache-memory-bytes), MiB")
     cpu_mib: int = option(default=64, help="CPU tier (cpu_bytes_to_use), MiB")
     batched_tokens: int = option(default=2048, help="--max-num-batched-tokens")
+    chunk_tokens: int = option(default=0, help=CHUNK_TOKENS_HELP)
     tier_options: str = option(default="{}", help=TIER_OPTIONS_HELP)
     runs: int = option(
         default=1,
@@ -84,6 +87,7 @@ def chat_run(
     cpu_mib: int,
     batched_tokens: int,
     gpu: bool = False,
+    chunk_tokens: int = 0,
 ) -> Iterator[ChatRun]:
     """A store target of its own (when `needs_store`), the model (the tiny one, built in a temporary folder,
     unless `model`), the engines' sizing for `workload`, and a progress bar; all gone on exit."""
@@ -112,6 +116,7 @@ def chat_run(
             max_num_seqs=w.concurrency,
             max_num_batched_tokens=batched_tokens,
             gpu=gpu,
+            chunk_tokens=chunk_tokens,
         )
         with Progress(console=console, transient=True) as bar:
             yield ChatRun(target, model_dir, sizing, bar, bar.add_task("starting", total=None))
@@ -154,6 +159,7 @@ def bench_multiturn(o: MultiturnOptions) -> None:
             cpu_mib=o.cpu_mib,
             batched_tokens=o.batched_tokens,
             gpu=o.gpu,
+            chunk_tokens=chunk_tokens_or_exit(o.chunk_tokens),
         ) as run:
 
             def start_point(method: str, n: int, requests: int) -> None:

@@ -12,7 +12,13 @@ import typer
 from typer.testing import CliRunner
 
 from kvstore.connector.bench.cli import COMMANDS, bench_app
-from kvstore.connector.bench.command import bench_command, bench_options, option, tier_options_or_exit
+from kvstore.connector.bench.command import (
+    bench_command,
+    bench_options,
+    chunk_tokens_or_exit,
+    option,
+    tier_options_or_exit,
+)
 
 
 @bench_options
@@ -83,3 +89,15 @@ def test_bad_tier_options_exit_2(text: str) -> None:
 
 def test_tier_options_as_a_dict() -> None:
     assert tier_options_or_exit('{"gil_switch_interval_s": 0.001}') == {"gil_switch_interval_s": 0.001}
+
+
+@pytest.mark.parametrize("tokens", [-128, 100, 130])
+def test_bad_chunk_tokens_exit_2(tokens: int) -> None:
+    with pytest.raises(typer.Exit) as raised:
+        chunk_tokens_or_exit(tokens)
+    assert raised.value.exit_code == 2
+
+
+@pytest.mark.parametrize("tokens", [0, 128, 256, 1024])
+def test_chunk_tokens_of_whole_blocks_pass(tokens: int) -> None:
+    assert chunk_tokens_or_exit(tokens) == tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +32,13 @@ _STORE = StoreTarget(
 )
 
 
-def nodes(tier: str, tmp_path: Path, *, aware: bool = False) -> Nodes:
+def nodes(tier: str, tmp_path: Path, *, aware: bool = False, sizing: Sizing = _SIZING) -> Nodes:
     return Nodes(
         f"{tier}-x",
         tier=tier,
         aware=aware,
         model_dir=tmp_path / "model",
-        sizing=_SIZING,
+        sizing=sizing,
         store=_STORE if tier != "fs" else None,
         nvme_bytes=1 << 30,
         tier_options={"job_workers": 1},
@@ -85,3 +86,20 @@ def test_obj_nodes_run_vllms_object_tier_on_the_same_bucket(tmp_path: Path) -> N
     env = specs[0].env
     assert env["NIXL_TELEMETRY_ENABLE"] == "y" and env["AWS_EC2_METADATA_DISABLED"] == "true"
     assert env["AWS_REGION"] == "us-east-1"
+
+
+@pytest.mark.parametrize("tier", ["fs", "ours", "obj"])
+def test_every_method_stores_and_loads_in_the_chunk_size_asked(tier: str, tmp_path: Path) -> None:
+    """`--chunk-tokens`: every node of every method gets vLLM's `block_size`, so methods compare alike;
+    without it, vLLM's default (one block) and no `block_size` at all."""
+    default = nodes(tier, tmp_path / "default").specs(tmp_path / "default")
+    assert all("block_size" not in extra(s) for s in default)
+    wide = dataclasses.replace(_SIZING, chunk_tokens=256)
+    specs = nodes(tier, tmp_path / "wide", sizing=wide).specs(tmp_path / "wide")
+    assert [extra(s)["block_size"] for s in specs] == [256, 256]
+    assert wide.chunk_bytes == 2 * _SIZING.chunk_bytes
+
+
+def extra(spec: ServerSpec) -> dict[str, Any]:
+    assert spec.kv_transfer_config is not None
+    return dict(spec.kv_transfer_config["kv_connector_extra_config"])
