@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+CPU_BLOCK_TOKENS = 128  # vLLM's KV block on its CPU backend: one chunk unless `chunk_tokens` says more
+
 
 def cpu_tiering_config(
     *secondary_tiers: dict[str, Any], cpu_bytes: int = 64 * 2**20, chunk_tokens: int = 0

@@ -32,6 +32,7 @@ import typer
 from rich.table import Table
 
 from kvstore.admin.cli_common import EXIT_CONFIG, console, say
+from kvstore.connector.configs import CPU_BLOCK_TOKENS
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -143,8 +144,11 @@ def refuse(label: str, message: object) -> NoReturn:
 
 def chunk_tokens_or_exit(tokens: int) -> int:
     """`--chunk-tokens`, checked: 0 or a positive multiple of vLLM's CPU block (128 tokens); else exit 2."""
-    if tokens < 0 or tokens % 128:
-        refuse("bad --chunk-tokens", f"{tokens}: 0 or a positive multiple of 128 (vLLM's CPU block)")
+    if tokens < 0 or tokens % CPU_BLOCK_TOKENS:
+        refuse(
+            "bad --chunk-tokens",
+            f"{tokens}: 0 or a positive multiple of {CPU_BLOCK_TOKENS} (vLLM's CPU block)",
+        )
     return tokens
 
 

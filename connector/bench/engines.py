@@ -37,7 +37,7 @@ from kvstore.agent.supervisor import stop_agent
 from kvstore.agent.uploads import wait_uploaded_in
 from kvstore.connector.bench.disk import evict_page_cache
 from kvstore.connector.bench.target import StoreTarget
-from kvstore.connector.configs import cpu_tiering_config
+from kvstore.connector.configs import CPU_BLOCK_TOKENS, cpu_tiering_config
 from kvstore.connector.harness.engine_runner import EngineRun, run_engine
 from kvstore.connector.harness.tiny_model import build_tiny_model, sample_text
 from kvstore.engine import timeline as milestones
@@ -51,7 +51,6 @@ DESCRIPTIONS = {
     "ours-bucket": "KVStoreTier, object store only (new node)",
     "obj": "vLLM obj tier, object store (new engine)",
 }
-_BLOCK_TOKENS = 128  # vLLM's CPU backend: a chunk is one block unless `chunk_tokens` says more
 _MAX_MODEL_LEN = 16384  # the tiny model's positions: room for the seed's 12K-token prompt (--words 11000)
 
 
@@ -96,7 +95,7 @@ class VLLMReport:
     timeline: list[Phase] = field(default_factory=list)  # our new node's request, phase by phase
     timeline_counts: dict[str, float] = field(default_factory=dict)  # steps, lookups, jobs: medians
     s3_objects_cold: bool = False  # the local S3 server's objects were dropped from the page cache too
-    chunk_tokens: int = _BLOCK_TOKENS  # tokens per offloaded chunk, every method alike
+    chunk_tokens: int = CPU_BLOCK_TOKENS  # tokens per offloaded chunk, every method alike
     scheduler: list[SchedulerCost] = field(default_factory=list)
 
     def to_json(self) -> str:
@@ -164,7 +163,7 @@ def bench_ttft(
             prompt_tokens=tokens,
             prompts=prompts,
             methods=list(methods),
-            chunk_tokens=chunk_tokens or _BLOCK_TOKENS,
+            chunk_tokens=chunk_tokens or CPU_BLOCK_TOKENS,
         )
 
         def tiering(tier: dict[str, Any]) -> dict[str, Any]:

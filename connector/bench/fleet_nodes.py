@@ -15,16 +15,16 @@ from typing import Any
 from kvstore.agent.supervisor import LOG_NAME, agent_status, stop_agent
 from kvstore.connector.bench.multiturn import Sizing
 from kvstore.connector.bench.target import StoreTarget
+from kvstore.connector.configs import CPU_BLOCK_TOKENS
 from kvstore.connector.harness.routed import CacheAware, RoundRobin, Router, local_chat_tokenizer
 from kvstore.connector.harness.router import DynamoIndexer
 from kvstore.connector.harness.servers import ServerSpec
 from kvstore.connector.harness.vllm_server import VLLMServer
 from kvstore.ports import free_port
 
-__all__ = ["BLOCK_TOKENS", "NODES", "Accounts", "Nodes", "cpu_delta", "node_cpus"]
+__all__ = ["NODES", "Accounts", "Nodes", "cpu_delta", "node_cpus"]
 
 NODES = 2
-BLOCK_TOKENS = 128  # vLLM's block size on the CPU backend, which the indexer must be told
 
 
 def node_cpus() -> list[list[int]]:
@@ -134,14 +134,14 @@ class Nodes:
                 node + 1,
                 f"tcp://127.0.0.1:{port}",
                 model=servers[node].model,
-                block_size=BLOCK_TOKENS,
+                block_size=CPU_BLOCK_TOKENS,  # vLLM's block size, which the indexer must be told
                 replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
             )
         return CacheAware(
             indexer,
             [n + 1 for n in range(NODES)],
             model=servers[0].model,
-            block_size=BLOCK_TOKENS,
+            block_size=CPU_BLOCK_TOKENS,  # vLLM's block size, which the indexer must be told
             tokenize=local_chat_tokenizer(self.model_dir),
         )
 

@@ -39,7 +39,7 @@ from kvstore.agent.supervisor import agent_status, stop_agent
 from kvstore.agent.uploads import OWN_SERVER_HOLD_S, wait_uploaded_in
 from kvstore.connector.bench.outputs import figure, json_and_png
 from kvstore.connector.bench.target import StoreTarget
-from kvstore.connector.configs import cpu_tiering_config
+from kvstore.connector.configs import CPU_BLOCK_TOKENS, cpu_tiering_config
 from kvstore.connector.harness.multiturn import TurnRecord, Workload, replay
 from kvstore.connector.harness.s3_requests import RequestCounts
 from kvstore.connector.harness.vllm_server import VLLMServer, metric_total, vllm_server
@@ -89,7 +89,7 @@ class Sizing:
     def chunk_bytes(self) -> int:
         """One offloaded chunk of all layers: `chunk_tokens`, else a KV block (128 tokens on vLLM's CPU
         backend, 16 on GPUs)."""
-        return self.kv_bytes_per_token * (self.chunk_tokens or (16 if self.gpu else 128))
+        return self.kv_bytes_per_token * (self.chunk_tokens or (16 if self.gpu else CPU_BLOCK_TOKENS))
 
     def server_args(self) -> list[str]:
         args = [
