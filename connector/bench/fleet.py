@@ -10,7 +10,10 @@ directory (nodes share no disk). Methods, each on fresh servers and directories:
   servers' load together make it cheapest, as Dynamo's router decides (engines publish KV events, the tier's
   included; tiers weighted as Dynamo's router weighs them, see `harness.routed`);
 - `obj-rr`: round-robin, vLLM's own object-store tier (`obj`, NIXL) on each node, the same S3 server and a
-  shared prefix: the direct peer of `ours-rr`.
+  shared prefix: the direct peer of `ours-rr`;
+- `fs-shared-rr`: round-robin, vLLM's `fs` tier on one directory both nodes share: a shared file system at
+  local-disk speed with no server, the most any shared store could give this workload on this machine: a
+  bound for `ours-rr`, not a deployment (the only method whose nodes share a disk).
 
 Round-robin sends a conversation's turns to the two nodes in turn: with `fs`, a node can reuse only what it
 computed itself two turns earlier; with ours, the other node's last turn is in the bucket once its node agent
@@ -55,14 +58,22 @@ from kvstore.connector.harness.router import DynamoIndexer, dynamo_indexer
 from kvstore.connector.harness.servers import vllm_servers
 from kvstore.connector.harness.vllm_server import VLLMServer
 
-__all__ = ["DESCRIPTIONS", "METHODS", "run_fleet"]
+__all__ = ["DESCRIPTIONS", "METHODS", "TIERS", "run_fleet"]
 
-METHODS = ("fs-rr", "ours-rr", "ours-aware", "obj-rr")
+METHODS = ("fs-rr", "ours-rr", "ours-aware", "obj-rr", "fs-shared-rr")
 DESCRIPTIONS = {
     "fs-rr": "round-robin, vLLM fs tier per node",
     "ours-rr": "round-robin, ours (shared bucket)",
     "ours-aware": "cache- and load-aware (Dynamo indexer), ours",
     "obj-rr": "round-robin, vLLM obj tier (shared bucket)",
+    "fs-shared-rr": "round-robin, vLLM fs tier on one shared directory (the bound)",
+}
+TIERS = {  # the nodes' tier (`Nodes`) of each method
+    "ours-rr": "ours",
+    "ours-aware": "ours",
+    "obj-rr": "obj",
+    "fs-rr": "fs",
+    "fs-shared-rr": "fs-shared",
 }
 _OURS = ("ours-rr", "ours-aware")
 _S3 = (*_OURS, "obj-rr")
@@ -154,7 +165,7 @@ class _MethodRun:
         self.store = store if method in _S3 else None
         self.nodes = Nodes(
             method,
-            tier="ours" if self.ours else "obj" if method == "obj-rr" else "fs",
+            tier=TIERS[method],
             aware=method == "ours-aware",
             model_dir=model_dir,
             sizing=sizing,

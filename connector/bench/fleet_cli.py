@@ -36,7 +36,8 @@ class FleetOptions:
     conversations: int = option(default=32, help="Concurrent conversations")
     methods: str = option(
         default="fs-rr,ours-rr,ours-aware,obj-rr",
-        help="Methods: fs-rr, ours-rr, ours-aware, obj-rr (vLLM's object tier)",
+        help="Methods: fs-rr, ours-rr, ours-aware, obj-rr (vLLM's object tier), fs-shared-rr (vLLM's fs tier"
+        " on one directory both nodes share: the bound of any shared store here)",
     )
     model: Path | None = option(default=None, help="Model directory (default: the tiny model)")
     context_tokens: int = option(default=2048, help="Opening context of a conversation")

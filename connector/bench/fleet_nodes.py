@@ -38,8 +38,9 @@ def node_cpus() -> list[list[int]]:
 
 class Nodes:
     """One method's nodes. `tier`: "ours" (KVStoreTier on each, one bucket prefix for both), "obj" (vLLM's
-    object tier on each, one prefix for both) or "fs" (vLLM's fs tier in a directory per node); `aware`:
-    routed by the indexer, so the engines (and our tier) publish KV events."""
+    object tier on each, one prefix for both), "fs" (vLLM's fs tier in a directory per node) or "fs-shared"
+    (vLLM's fs tier on one directory both read and write); `aware`: routed by the indexer, so the engines
+    (and our tier) publish KV events."""
 
     def __init__(
         self,
@@ -101,6 +102,10 @@ class Nodes:
             assert self.store is not None
             tier, obj_env = self.store.obj_tier(self.prefix)
             env.update(obj_env)
+        elif self.tier == "fs-shared":
+            # A shared file system at local-disk speed: each node finds the other's files as soon as they
+            # are renamed into place (vLLM's fs tier looks a chunk up by its file), and no server runs.
+            tier = {"type": "fs", "root_dir": str(self.root / "shared-fs")}
         else:
             tier = {"type": "fs", "root_dir": str(node_dir / "fs")}
         config = self.sizing.tiering_config(tier)

@@ -59,8 +59,8 @@ class MethodResult:
     ttft_p90_s: float
     ttft_by_turn_s: list[float]  # mean TTFT of each turn index (0: the opening context, computed everywhere)
     last_turn_tokens: int  # prompt tokens of a conversation's last turn: its KV footprint between turns
-    # Share of all prompt tokens: engine prefix cache, CPU tier, the node's own storage (fs directory or our
-    # NVMe), the bucket, computed.
+    # Share of all prompt tokens: engine prefix cache, CPU tier, the node's own storage (fs directory, the
+    # shared one for fs-shared-rr, or our NVMe), the bucket, computed.
     token_share: dict[str, float]
     nodes: list[NodeResult]
     cross_node_chunks: int = 0
@@ -112,7 +112,8 @@ class FleetReport:
 
     def ratios(self) -> dict[str, float | None]:
         """Throughput ratios the goals name: ours round-robin vs fs round-robin (>= 1.3x), cache-aware vs
-        round-robin with ours (> 1x), cache-aware vs fs round-robin, ours vs vLLM's obj tier round-robin."""
+        round-robin with ours (> 1x), cache-aware vs fs round-robin, ours vs vLLM's obj tier round-robin;
+        and the bound: a shared directory vs fs round-robin, ours vs that shared directory."""
         tput = {m.method: m.prompt_tokens_per_s for m in self.methods}
 
         def ratio(a: str, b: str) -> float | None:
@@ -123,6 +124,8 @@ class FleetReport:
             "ours-aware/ours-rr": ratio("ours-aware", "ours-rr"),
             "ours-aware/fs-rr": ratio("ours-aware", "fs-rr"),
             "ours-rr/obj-rr": ratio("ours-rr", "obj-rr"),
+            "fs-shared-rr/fs-rr": ratio("fs-shared-rr", "fs-rr"),
+            "ours-rr/fs-shared-rr": ratio("ours-rr", "fs-shared-rr"),
         }
 
 

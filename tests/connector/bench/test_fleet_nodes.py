@@ -39,7 +39,7 @@ def nodes(tier: str, tmp_path: Path, *, aware: bool = False, sizing: Sizing = _S
         aware=aware,
         model_dir=tmp_path / "model",
         sizing=sizing,
-        store=_STORE if tier != "fs" else None,
+        store=_STORE if tier in ("ours", "obj") else None,
         nvme_bytes=1 << 30,
         tier_options={"job_workers": 1},
         cpus=[[0], [1]],
@@ -57,6 +57,14 @@ def test_fs_nodes_have_a_directory_each(tmp_path: Path) -> None:
     specs = nodes("fs", tmp_path).specs(tmp_path)
     roots = [secondary(s)["root_dir"] for s in specs]
     assert [secondary(s)["type"] for s in specs] == ["fs", "fs"] and roots[0] != roots[1]
+
+
+def test_fs_shared_nodes_read_and_write_one_directory(tmp_path: Path) -> None:
+    """The bound of any shared store: both nodes' fs tiers on the same directory, under the method's root."""
+    specs = nodes("fs-shared", tmp_path).specs(tmp_path)
+    tiers = [secondary(s) for s in specs]
+    assert [t["type"] for t in tiers] == ["fs", "fs"]
+    assert tiers[0]["root_dir"] == tiers[1]["root_dir"] == str(tmp_path / "shared-fs")
 
 
 def test_our_nodes_share_one_bucket_prefix_and_keep_a_cache_each(tmp_path: Path) -> None:
@@ -88,7 +96,7 @@ def test_obj_nodes_run_vllms_object_tier_on_the_same_bucket(tmp_path: Path) -> N
     assert env["AWS_REGION"] == "us-east-1"
 
 
-@pytest.mark.parametrize("tier", ["fs", "ours", "obj"])
+@pytest.mark.parametrize("tier", ["fs", "fs-shared", "ours", "obj"])
 def test_every_method_stores_and_loads_in_the_chunk_size_asked(tier: str, tmp_path: Path) -> None:
     """`--chunk-tokens`: every node of every method gets vLLM's `block_size`, so methods compare alike;
     without it, vLLM's default (one block) and no `block_size` at all."""
