@@ -3,9 +3,9 @@ on two real servers and a real bucket; the report is complete and sane, the S3 s
 requests, and nothing the run started is left.
 
 Four conversations of three turns, each node's engine KV cache and CPU tier too small for them; the cost is
-four engine starts (two at a time). The fs-rr and obj-rr baselines are the same run with other tier entries
-(`tests/connector/bench/test_fleet_nodes.py` checks every method's entries without engines; vLLM's object
-tier runs in the multiturn miniature, tests/connector/bench/test_multiturn.py).
+four engine starts (two at a time). The fs-rr, fs-shared-rr and obj-rr baselines are the same run with other
+tier entries (`tests/connector/bench/test_fleet_nodes.py` checks every method's entries without engines;
+vLLM's object tier runs in the multiturn miniature, tests/connector/bench/test_multiturn.py).
 """
 
 from __future__ import annotations
