@@ -60,7 +60,14 @@ from kvstore.connector.harness.vllm_server import VLLMServer
 
 __all__ = ["DESCRIPTIONS", "METHODS", "TIERS", "run_fleet"]
 
-METHODS = ("fs-rr", "ours-rr", "ours-aware", "obj-rr", "fs-shared-rr")
+TIERS = {  # each method's tier on its nodes (`Nodes`), in the order `run_fleet` runs them by default
+    "fs-rr": "fs",
+    "ours-rr": "ours",
+    "ours-aware": "ours",
+    "obj-rr": "obj",
+    "fs-shared-rr": "fs-shared",
+}
+METHODS = tuple(TIERS)
 DESCRIPTIONS = {
     "fs-rr": "round-robin, vLLM fs tier per node",
     "ours-rr": "round-robin, ours (shared bucket)",
@@ -68,15 +75,8 @@ DESCRIPTIONS = {
     "obj-rr": "round-robin, vLLM obj tier (shared bucket)",
     "fs-shared-rr": "round-robin, vLLM fs tier on one shared directory (the bound)",
 }
-TIERS = {  # the nodes' tier (`Nodes`) of each method
-    "ours-rr": "ours",
-    "ours-aware": "ours",
-    "obj-rr": "obj",
-    "fs-rr": "fs",
-    "fs-shared-rr": "fs-shared",
-}
-_OURS = ("ours-rr", "ours-aware")
-_S3 = (*_OURS, "obj-rr")
+_OURS = tuple(m for m, tier in TIERS.items() if tier == "ours")
+_S3 = tuple(m for m, tier in TIERS.items() if tier in ("ours", "obj"))  # the methods on the bucket
 _SETTLE_S = 2.0  # admissions are done once the NVMe caches stopped growing this long
 
 
