@@ -11,12 +11,20 @@ import threading
 from kvstore.stores.s3_get import GetOptions, ObjectGetter
 
 
+class Staged:
+    """A reply in two parts: its first ``first`` bytes at once, the rest once ``gate`` is set (or in 10 s)."""
+
+    def __init__(self, reply: bytes, first: int) -> None:
+        self.first, self.rest = reply[:first], reply[first:]
+        self.gate = threading.Event()
+
+
 class ScriptedPeer:
     """A TCP server on loopback that answers each request with the next scripted reply; a reply is raw
-    bytes, or None to close the connection without answering. One connection at a time, in the order they
-    came; with ``tls``, over TLS."""
+    bytes, a `Staged` reply, or None to close the connection without answering. One connection at a time,
+    in the order they came; with ``tls``, over TLS."""
 
-    def __init__(self, replies: list[bytes | None], *, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, replies: list[bytes | Staged | None], *, tls: ssl.SSLContext | None = None) -> None:
         self.replies = replies
         self.requests: list[bytes] = []
         self.connections = 0
@@ -55,6 +63,10 @@ class ScriptedPeer:
                     reply = self.replies.pop(0)
                     if reply is None:
                         break
+                    if isinstance(reply, Staged):
+                        conn.sendall(reply.first)
+                        reply.gate.wait(10)
+                        reply = reply.rest
                     conn.sendall(reply)
                     if b"Connection: close" in reply:
                         break

@@ -8,7 +8,9 @@ arrives and held for its load (`PrefetchBuffer`).
 Where the store keeps many GETs in flight, a chain's other keys wait for its first key's answer: a context
 the bucket never saw (every new conversation's first turn) then costs one GET, not one per chunk, each a 404
 the turn waits for (241-258 GETs per `bench multiturn` point, its first turns held 42-54 ms). A chain whose
-first key is found goes on at once, whatever the other chains' GETs are still waiting for.
+first key is found goes on at once, whatever the other chains' GETs are still waiting for, and without
+waiting for that key's bytes: the answer's head says it exists (on a 2 MiB chunk from a remote bucket, the
+body takes as long again as the round trip).
 
 Answers are published in waves, per chain: when the chain's contiguous prefix of hits has grown by a quarter
 of the chain (at least ``_MIN_WAVE`` keys) or has reached its end (the last key, or the first miss). Each
@@ -128,11 +130,17 @@ class ChainFetch:
         def on_fetched(at: tuple[int, int], fetched: io.Fetched) -> None:
             self._fetched(*at, fetched)
 
+        def on_found(at: tuple[int, int]) -> None:
+            with self._lock:
+                self._release(at[0])
+
         # Another round when the last handed out keys: a first key that only another region had is answered
         # after the local region's GETs have all ended, and its chain's rest is asked then.
         while handed_out:
             handed_out = False
-            io.fetch_as_they_come(store, next_item, on_fetched, at_once=at_once, wanted=self._wanted)
+            io.fetch_as_they_come(
+                store, next_item, on_fetched, at_once=at_once, wanted=self._wanted, on_found=on_found
+            )
 
     def _runner(self, get: Callable[[ObjectStore], None]) -> None:
         store = self._outcomes.store
@@ -164,12 +172,16 @@ class ChainFetch:
                 self._good[c][rank] = True
             else:
                 self._end[c] = min(self._end[c], rank)
-            if c in self._held:  # its first key: the rest goes on, or stops at this miss
-                self._held.discard(c)
-                heapq.heappush(self._ready, (1, c))
+            self._release(c)  # its first key: the rest goes on, or stops at this miss
             wave = self._wave(c)
         if wave:
             outcomes.in_bucket(wave)
+
+    def _release(self, c: int) -> None:
+        """Chain ``c``'s keys after its first go on, if they were held for it (under the lock)."""
+        if c in self._held:
+            self._held.discard(c)
+            heapq.heappush(self._ready, (1, c))
 
     def _wave(self, c: int) -> list[str]:
         """The keys of chain ``c`` to publish now, if its ready prefix has grown enough (under the lock)."""

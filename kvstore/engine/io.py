@@ -52,10 +52,11 @@ def fetch_as_they_come(
     *,
     at_once: int,
     wanted: Callable[[_T], bool] = lambda _tag: True,
+    on_found: Callable[[_T], None] | None = None,
 ) -> None:
     """`fetch` of the key of every ``(tag, key)`` that ``next_item`` hands out, ``at_once`` GETs in flight
     together on the calling thread (for a store whose ``gets_many_at_once``); each result to ``on_fetched``
-    with its tag as it comes. ``wanted``: see `get_each_located`."""
+    with its tag as it comes. ``wanted`` and ``on_found``: see `get_each_located`."""
     started: dict[_T, tuple[str, float]] = {}
 
     def next_timed() -> tuple[_T, str] | None:
@@ -68,7 +69,7 @@ def fetch_as_they_come(
         key, start = started.pop(tag)
         on_fetched(tag, checked(key, blob, region, start))
 
-    get_each_located(store, next_timed, on_object, at_once=at_once, wanted=wanted)
+    get_each_located(store, next_timed, on_object, at_once=at_once, wanted=wanted, on_found=on_found)
 
 
 def fetch_each(store: ObjectStore, keys: Sequence[str], *, at_once: int) -> list[Fetched]:

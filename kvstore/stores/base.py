@@ -99,13 +99,15 @@ class ObjectStore(abc.ABC):
         on_object: Callable[[_T, Buffer | None], None],
         *,
         at_once: int,
+        on_found: Callable[[_T], None] | None = None,
     ) -> None:
         """`get_chunk` of the key of every ``(tag, key)`` that ``next_item`` hands out until it says None,
         each answer given to ``on_object`` with its tag as it comes, all on the calling thread. ``next_item``
         is asked each time a GET can start, so it may skip what became useless meanwhile; while GETs are in
         flight, its None means none now (an answer may give it more), and it is asked again after the next
         answer. Here, one after the other; a backend that speaks to a server keeps up to ``at_once`` in
-        flight."""
+        flight. ``on_found(tag)``, where a backend can tell, as soon as the server says the object exists,
+        before its bytes have come (a hint: ``on_object`` still gives the answer)."""
         while (item := next_item()) is not None:
             tag, key = item
             on_object(tag, self.get_chunk(key))

@@ -64,13 +64,17 @@ def get_each_located(
     *,
     at_once: int,
     wanted: Callable[[_T], bool] = lambda _tag: True,
+    on_found: Callable[[_T], None] | None = None,
 ) -> None:
     """`store.get_each` with the name of the region that answered each key (None for a single-region store).
-    ``wanted(tag)`` is asked before a remote region is asked for a key the local region lacked."""
+    ``wanted(tag)`` is asked before a remote region is asked for a key the local region lacked; ``on_found``
+    hears of the local region's objects only (see `ObjectStore.get_each`)."""
     if isinstance(store, RegionalStore):
-        store.get_each_located(next_item, on_object, at_once=at_once, wanted=wanted)
+        store.get_each_located(next_item, on_object, at_once=at_once, wanted=wanted, on_found=on_found)
     else:
-        store.get_each(next_item, lambda tag, blob: on_object(tag, blob, None), at_once=at_once)
+        store.get_each(
+            next_item, lambda tag, blob: on_object(tag, blob, None), at_once=at_once, on_found=on_found
+        )
 
 
 def _exists_many(store: ObjectStore, keys: Sequence[str]) -> list[bool]:
@@ -186,8 +190,11 @@ class RegionalStore(ObjectStore):
         on_object: Callable[[_T, Buffer | None], None],
         *,
         at_once: int,
+        on_found: Callable[[_T], None] | None = None,
     ) -> None:
-        self.get_each_located(next_item, lambda tag, blob, _region: on_object(tag, blob), at_once=at_once)
+        self.get_each_located(
+            next_item, lambda tag, blob, _region: on_object(tag, blob), at_once=at_once, on_found=on_found
+        )
 
     def get_each_located(
         self,
@@ -196,9 +203,11 @@ class RegionalStore(ObjectStore):
         *,
         at_once: int,
         wanted: Callable[[_T], bool] = lambda _tag: True,
+        on_found: Callable[[_T], None] | None = None,
     ) -> None:
         """`get_each`, each answer with the region that had the key: the local region's answers as they
-        come, then what it lacked from the remotes (see the module's doc)."""
+        come, then what it lacked from the remotes (see the module's doc). ``on_found`` hears of the local
+        region's objects only: a remote's answer comes after the local region's GETs have all ended."""
         missed: list[tuple[_T, str]] = []
 
         def next_local() -> tuple[tuple[_T, str], str] | None:
@@ -214,7 +223,11 @@ class RegionalStore(ObjectStore):
             else:
                 on_object(tag, None, None)
 
-        self._local.get_each(next_local, on_local, at_once=at_once)
+        def found_local(item: tuple[_T, str]) -> None:
+            if on_found is not None:
+                on_found(item[0])
+
+        self._local.get_each(next_local, on_local, at_once=at_once, on_found=found_local)
         deadline = time.monotonic() + self._timeout
         for n, remote in enumerate(self._remotes, start=1):
             if not missed:

@@ -292,12 +292,13 @@ class S3Store(ObjectStore):
         on_object: Callable[[_T, Buffer | None], None],
         *,
         at_once: int,
+        on_found: Callable[[_T], None] | None = None,
     ) -> None:
         def named() -> tuple[_T, str] | None:
             item = next_item()
             return None if item is None else (item[0], self._name(item[1]))
 
-        self._many.get_each(named, on_object, at_once=at_once)
+        self._many.get_each(named, on_object, at_once=at_once, on_found=on_found)
 
     def _get_named(self, name: str, what: str) -> Buffer | None:
         try:

@@ -211,14 +211,17 @@ class ManyGets:
         on_object: Callable[[_T, Buffer | None], None],
         *,
         at_once: int,
+        on_found: Callable[[_T], None] | None = None,
     ) -> None:
         """GET the object of every ``(tag, name)`` that ``next_item`` hands out, at most ``at_once`` in
         flight, and give each answer to ``on_object`` (None: no such object) on this thread as it completes.
         ``next_item`` is asked whenever a connection is free, so it can skip what became useless; its None
         means none now: it is asked again after the next answer, and the call returns once nothing is in
-        flight and it has none. Raises what the data path raises (`StoreUnavailable` when a GET gets no
-        answer in time...); GETs in flight then are abandoned, their connections closed."""
-        with _Round(self, on_object) as round_:
+        flight and it has none. ``on_found(tag)`` as soon as an answer's head says 200 while its body is
+        still coming (``next_item`` is asked again right after). Raises what the data path raises
+        (`StoreUnavailable` when a GET gets no answer in time...); GETs in flight then are abandoned, their
+        connections closed."""
+        with _Round(self, on_object, on_found) as round_:
             while True:
                 more = True
                 items: list[tuple[_T, str]] = []
@@ -267,8 +270,10 @@ class _Round(Generic[_T]):
         self,
         owner: ManyGets,
         on_object: Callable[[_T, Buffer | None], None],
+        on_found: Callable[[_T], None] | None = None,
     ) -> None:
         self.busy: set[_Connection[_T]] = set()
+        self._on_found = on_found
         self._getter = owner.getter
         self._fallback = owner.fallback
         self._owner = owner
@@ -314,7 +319,10 @@ class _Round(Generic[_T]):
                 self._open_further(conn)
                 continue
             try:
+                heading = conn.length < 0
                 if not conn.read(self._getter):
+                    if heading and conn.status == 200 and self._on_found is not None:
+                        self._on_found(conn.tag)  # found; its bytes are on their way
                     continue
                 blob = conn.answer()
             except _Failed as failed:

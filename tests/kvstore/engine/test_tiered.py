@@ -311,6 +311,7 @@ def test_prefix_probe_asks_first_keys_first_and_stops_a_chain_at_its_miss(
         on_object: Callable[[object, object], None],
         *,
         at_once: int,
+        on_found: object = None,  # not passed on: each chain's rest waits for its first answer, as ranked
     ) -> None:
         def recorded() -> tuple[object, str] | None:
             item = next_item()
@@ -350,16 +351,18 @@ def test_a_chain_the_bucket_never_saw_costs_one_get(
     assert (asked.get, asked.get_missing) == (13, 1)
 
 
+@pytest.mark.parametrize("head_first", [False, True], ids=["answer-slow", "body-slow"])
 def test_a_found_chain_goes_on_while_another_chains_first_key_is_in_flight(
     s3_store: S3Store,
     cache: NVMeCache,
     metrics: EngineMetrics,
     monkeypatch: pytest.MonkeyPatch,
     make_engine: MakeEngine,
+    head_first: bool,
 ) -> None:
     """The first chain's first answer is slow (held back here until every other GET has answered): the
     second chain is fetched whole without waiting for it, and the first chain's rest is asked once it is
-    back."""
+    back; or, where the answer's head said the key exists before its body came (``head_first``), at once."""
     slow, quick = keys(4, "slow-first"), keys(4, "quick")
     fill(s3_store, slow + quick)
     asked: list[str] = []
@@ -370,6 +373,7 @@ def test_a_found_chain_goes_on_while_another_chains_first_key_is_in_flight(
         on_object: Callable[[object, Buffer | None], None],
         *,
         at_once: int,
+        on_found: Callable[[object], None] | None = None,
     ) -> None:
         held: list[tuple[object, Buffer | None]] = []
 
@@ -377,6 +381,8 @@ def test_a_found_chain_goes_on_while_another_chains_first_key_is_in_flight(
             item = next_item()
             if item is not None:
                 asked.append(item[1])
+                if head_first and item[0] == (0, 0) and on_found is not None:
+                    on_found(item[0])  # its head came at once; its body is the slow part
             return item
 
         def answer(tag: object, blob: Buffer | None) -> None:
@@ -393,7 +399,10 @@ def test_a_found_chain_goes_on_while_another_chains_first_key_is_in_flight(
     engine = make_engine(s3_store, cache, metrics)
     engine.probe_prefixes([slow, quick])
     wait_for(lambda: engine.probes_in_flight == 0, what="the probe")
-    assert asked == [slow[0], *quick, *slow[1:]]
+    if head_first:  # the slow chain's rest went out with the quick chain's first key, before any answer
+        assert asked == [slow[0], quick[0], *slow[1:], *quick[1:]]
+    else:
+        assert asked == [slow[0], *quick, *slow[1:]]
     assert [engine.lookup_cached(k) for k in slow + quick] == [Presence.REMOTE] * 8
 
 

@@ -23,7 +23,7 @@ from kvstore.stores.base import Buffer
 from kvstore.stores.embedded_security import _make_certificates
 from kvstore.stores.s3_get import Address, GetOptions, ObjectGetter
 from kvstore.stores.s3_get_many import ManyGets
-from tests.scripted_peer import ScriptedPeer, error, ok, signing_getter
+from tests.scripted_peer import ScriptedPeer, Staged, error, ok, signing_getter
 
 if TYPE_CHECKING:  # the root conftest is not importable by name under every pytest import mode
     from conftest import S3Server
@@ -115,7 +115,7 @@ def scripted() -> Iterator[Scripted]:
     """A `ManyGets` talking to a scripted peer of its own, and the names its fallback was asked for."""
     made: list[tuple[ObjectGetter, ScriptedPeer]] = []
 
-    def make(replies: list[bytes | None]) -> tuple[ManyGets, ScriptedPeer, list[str]]:
+    def make(replies: list[bytes | Staged | None]) -> tuple[ManyGets, ScriptedPeer, list[str]]:
         server = ScriptedPeer(replies)
         getter = signing_getter(server.endpoint, OPTIONS)
         fell_back: list[str] = []
@@ -139,6 +139,27 @@ def test_answers_arrive_signed_and_a_missing_key_is_none(scripted: Scripted) -> 
     assert fell_back == [] and server.connections == 1
     request = server.requests[0].decode()
     assert request.startswith("GET /bucket/p/a HTTP/1.1\r\n") and "Signature=" in request
+
+
+def test_a_found_object_is_said_when_its_head_comes_before_its_body(scripted: Scripted) -> None:
+    """`on_found` as soon as a 200's head is in, while the body is still coming (the peer sends the body only
+    once it was called); never for a 404, nor for an answer that came whole."""
+    body = b"b" * 100_000
+    staged = Staged(ok(body), first=len(ok(body)) - len(body) + 10)  # the head and 10 bytes of the body
+    many, _, fell_back = scripted([error(404, "NoSuchKey"), staged, ok(b"whole")])
+    heard: list[str] = []
+
+    def found(i: int) -> None:
+        heard.append(f"found {i}")
+        staged.gate.set()
+
+    def answered(i: int, blob: Buffer | None) -> None:
+        heard.append(f"answer {i}: {None if blob is None else len(blob)}")
+
+    todo = iter(enumerate(["missing", "large", "small"]))
+    many.get_each(lambda: next(todo, None), answered, at_once=1, on_found=found)
+    assert heard == ["answer 0: None", "found 1", "answer 1: 100000", "answer 2: 5"]
+    assert fell_back == []
 
 
 def test_an_idle_connection_the_server_closed_is_opened_again_not_asked_of_the_fallback(
