@@ -11,7 +11,9 @@ Same disk, same chunks, same job shapes, interleaved rounds (the best round of e
   - the object path of a new node: chunks in the S3 store, an empty NVMe cache, timed from the first lookup
     to the last byte loaded, the tier driven the way vLLM's scheduler drives it (lookups every step until
     answered, one load job per step for what was answered); against raw parallel GETs of the same objects
-    with the best S3 client here (the data path's own) and the same number of threads.
+    with the best S3 client here (the data path's own) and the same number of threads; with `server_core`,
+    the embedded S3 server on a core of its own, both sides on the others (`kvstore.connector.bench.cores`);
+    with `link`, both through a proxy that adds a round trip and caps each connection's rate (`SlowLink`).
 Also the raw disk: an O_DIRECT `dd` write and read in the same run. Results are ratios within one run.
 
 This module runs the parts in that order and gathers their report: `disk` (the raw disk), `tiers_store_load`
@@ -22,6 +24,7 @@ tiers through `tier_driver`; `tiers_cli` is the command.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -29,10 +32,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvstore.connector.bench.cores import server_apart
 from kvstore.connector.bench.disk import DiskResult, dd_bandwidth
 from kvstore.connector.bench.target import StoreTarget
 from kvstore.connector.bench.tiers_object_path import ObjectPathResult, bench_object_path
 from kvstore.connector.bench.tiers_store_load import SizeResult, bench_size
+from kvstore.connector.harness.slow_link import LinkShape, SlowLink
 
 __all__ = ["TiersReport", "bench_object_path", "bench_size", "run_tiers_bench"]
 
@@ -43,6 +48,9 @@ class TiersReport:
     object_path: list[ObjectPathResult] = field(default_factory=list)
     disk: DiskResult | None = None
     chunks_per_job: int = 0
+    # The object path ran with the S3 server's threads on these cores and the benchmark's on the others.
+    server_cpus: list[int] = field(default_factory=list)
+    link: str = ""  # ... and through a link of this shape to the server (`SlowLink`), if any
     data: str = "synthetic bf16: standard-normal values rounded to bfloat16"
 
     def to_json(self) -> str:
@@ -58,10 +66,18 @@ def run_tiers_bench(
     target: StoreTarget | None,
     object_bytes: int,
     workers: int,
+    server_core: bool = False,
+    link: LinkShape | None = None,
     workdir: Path | None = None,
     progress: Callable[[str], None] = lambda _msg: None,
 ) -> TiersReport:
-    report = TiersReport(chunks_per_job=chunks_per_job)
+    """`server_core`: the object path with the target's local S3 server on a core of its own
+    (`CoresUnavailable` at once when that cannot be done); `link`: through a link of that shape (ValueError
+    at once where the target is not a plain-http S3 endpoint)."""
+    if link is not None and not (target and target.is_s3 and (target.endpoint or "").startswith("http://")):
+        raise ValueError("a shaped link goes to an S3 endpoint on plain http (the embedded server's)")
+    report = TiersReport(chunks_per_job=chunks_per_job, link=str(link or ""))
+    apart = server_apart(target.server_pid if target else None) if server_core else None
     with _workdir(workdir) as root:
         progress("raw disk (O_DIRECT dd)")
         report.disk = dd_bandwidth(root)
@@ -70,19 +86,20 @@ def run_tiers_bench(
             progress(f"store and cold load, {size // 1024} KiB x {chunks}, ours vs vLLM fs, {rounds} rounds")
             report.sizes.append(bench_size(size, chunks, rounds=rounds, per_job=chunks_per_job, workdir=root))
         if target is not None and target.is_s3:  # a new node's path to S3, against raw GETs
-            for size in sizes:
-                chunks = max(8, object_bytes // size)
-                progress(f"object path of a new node, {size // 1024} KiB x {chunks}")
-                report.object_path.append(
-                    bench_object_path(
-                        size,
-                        chunks,
-                        target=target,
-                        rounds=rounds,
-                        workers=workers,
-                        workdir=root,
+            with contextlib.ExitStack() as stack:
+                if link is not None and target.endpoint:
+                    slow = stack.enter_context(SlowLink(target.endpoint, link))
+                    target = dataclasses.replace(target, endpoint=slow.endpoint)
+                if apart is not None:
+                    report.server_cpus = sorted(stack.enter_context(apart)[0])
+                for size in sizes:
+                    chunks = max(8, object_bytes // size)
+                    progress(f"object path of a new node, {size // 1024} KiB x {chunks}")
+                    report.object_path.append(
+                        bench_object_path(
+                            size, chunks, target=target, rounds=rounds, workers=workers, workdir=root
+                        )
                     )
-                )
     return report
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,9 +13,11 @@ from kvstore.connector.bench.command import (
     bench_options,
     option,
     progress,
+    refuse,
     table,
     write_results,
 )
+from kvstore.connector.harness.slow_link import LinkShape
 
 if TYPE_CHECKING:
     from kvstore.connector.bench.codecs import CodecResult
@@ -31,6 +34,14 @@ class TiersOptions:
     rounds: int = option(default=2, help="Interleaved rounds (the best of each side counts)")
     chunks_per_job: int = option(default=16, help="Chunks per vLLM store/load job")
     workers: int = option(default=16, help="Threads of the raw GET baseline (our io_workers)")
+    server_core: bool = option(
+        default=False,
+        help="The object path with the embedded S3 server on a core of its own, as a remote bucket's is",
+    )
+    bucket_rtt_ms: float = option(
+        default=0.0, help="The object path through a link with this round trip to the server, ms"
+    )
+    bucket_mb_s: float = option(default=0.0, help="... and this rate per connection, MB/s (0: no limit)")
     output: Path = option(default=Path("bench-results/tiers.json"), help="JSON results file")
 
 
@@ -39,25 +50,43 @@ def bench_tiers(o: TiersOptions) -> None:
     """Our tier against vLLM's fs tier through vLLM's tier API: store and cold load (page cache dropped),
     the object path of a new node against raw GETs, the raw disk, and the codecs."""
     from kvstore.connector.bench.codecs import bench_codecs
+    from kvstore.connector.bench.cores import CoresUnavailable
     from kvstore.connector.bench.target import bench_target, environment
     from kvstore.connector.bench.tiers import run_tiers_bench
 
+    link = _link_or_exit(o)
     with bench_target(settings_or_exit(), "tiers") as target, environment(target.env):
-        report = run_tiers_bench(
-            sizes=[int(s) * 1024 for s in o.sizes.split(",")],
-            total_bytes=o.total_mib << 20,
-            rounds=o.rounds,
-            chunks_per_job=o.chunks_per_job,
-            target=target,
-            object_bytes=o.object_mib << 20,
-            workers=o.workers,
-            progress=progress,
-        )
+        try:
+            report = run_tiers_bench(
+                sizes=[int(s) * 1024 for s in o.sizes.split(",")],
+                total_bytes=o.total_mib << 20,
+                rounds=o.rounds,
+                chunks_per_job=o.chunks_per_job,
+                target=target,
+                object_bytes=o.object_mib << 20,
+                workers=o.workers,
+                server_core=o.server_core,
+                link=link,
+                progress=progress,
+            )
+        except CoresUnavailable as exc:
+            refuse("bad --server-core", exc)
+        except ValueError as exc:
+            refuse("bad --bucket-rtt-ms / --bucket-mb-s", exc)
     codecs = bench_codecs()
     _print(report, codecs, o.rounds)
     result = json.loads(report.to_json())
     result["codecs"] = [vars(c) for c in codecs]
     write_results(o.output, json.dumps(result, indent=2))
+
+
+def _link_or_exit(o: TiersOptions) -> LinkShape | None:
+    """The link `--bucket-rtt-ms` and `--bucket-mb-s` ask for (None: neither); exit 2 on a bad value."""
+    if not o.bucket_rtt_ms and not o.bucket_mb_s:
+        return None
+    if not (0 <= o.bucket_rtt_ms < 10_000 and 0 <= o.bucket_mb_s < math.inf):
+        refuse("bad --bucket-rtt-ms / --bucket-mb-s", f"{o.bucket_rtt_ms}, {o.bucket_mb_s}: finite, >= 0")
+    return LinkShape(o.bucket_rtt_ms / 1000, o.bucket_mb_s * 1e6 if o.bucket_mb_s else math.inf)
 
 
 def _print(report: TiersReport, codecs: list[CodecResult], rounds: int) -> None:
@@ -99,8 +128,11 @@ def _print(report: TiersReport, codecs: list[CodecResult], rounds: int) -> None:
         )
     console.print(cpu)
     if report.object_path:
+        cpus = ",".join(map(str, report.server_cpus))
+        apart = f", the S3 server alone on CPU {cpus}" if cpus else ""
+        apart += f", through a link of {report.link}" if report.link else ""
         objects = table(
-            "object path of a new node: first lookup to last byte loaded (GB/s)",
+            f"object path of a new node: first lookup to last byte loaded (GB/s){apart}",
             ("chunk", "n", "ours, end to end", "raw parallel GET", "ours/raw", "CPU us/chunk", "raw",
              "S3 GET/chunk", "raw", "$ per 1M chunks"),
         )  # fmt: skip

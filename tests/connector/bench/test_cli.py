@@ -65,6 +65,36 @@ def test_bench_tiers_measures_both_tiers_and_the_raw_baselines(
     assert [info.key for info in s3_store.list() if "bench-tiers-" in info.key] == []
 
 
+def test_bench_tiers_loads_through_a_slow_link_when_asked(env: dict[str, str], tmp_path: Path) -> None:
+    out = tmp_path / "tiers.json"
+    _bench(env, "tiers", "--sizes", "256", "--total-mib", "1", "--object-mib", "2", "--rounds", "1",
+           "--bucket-rtt-ms", "2", "--bucket-mb-s", "200", "--output", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["link"] == "2 ms round trip, 200 MB/s per connection"
+    [objects] = result["object_path"]
+    assert objects["end_to_end_gb_s"] > 0 and objects["raw_get_gb_s"] > 0
+
+
+@pytest.mark.parametrize("bad", [["--bucket-rtt-ms", "-1"], ["--bucket-mb-s", "inf"]])
+def test_bench_tiers_refuses_a_bad_link(env: dict[str, str], tmp_path: Path, bad: list[str]) -> None:
+    done = subprocess.run([*KVSTORE, "bench", "tiers", *bad, "--output", str(tmp_path / "t.json")],
+                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 2 and "bad --bucket-rtt-ms / --bucket-mb-s" in done.stdout + done.stderr
+
+
+def test_bench_tiers_refuses_a_server_core_for_a_server_it_does_not_run(
+    env: dict[str, str], tmp_path: Path, s3_store: Any
+) -> None:
+    """A configured endpoint is served elsewhere: there is no local server to give a core of its own."""
+    done = subprocess.run([*KVSTORE, "bench", "tiers", "--server-core", "--output", str(tmp_path / "t.json")],
+                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    said = done.stdout + done.stderr
+    assert "bad --server-core" in said and "no local S3 server" in said
+    assert not (tmp_path / "t.json").exists()
+    assert [info.key for info in s3_store.list() if "bench-tiers-" in info.key] == []
+
+
 def test_bench_offered_persists_a_slow_rate_and_measures_memory(
     env: dict[str, str], tmp_path: Path, s3_store: Any
 ) -> None:
