@@ -9,8 +9,10 @@ Where the store keeps many GETs in flight, a chain's other keys wait for its fir
 the bucket never saw (every new conversation's first turn) then costs one GET, not one per chunk, each a 404
 the turn waits for (241-258 GETs per `bench multiturn` point, its first turns held 42-54 ms). A chain whose
 first key is found goes on at once, whatever the other chains' GETs are still waiting for, and without
-waiting for that key's bytes: the answer's head says it exists (on a 2 MiB chunk from a remote bucket, the
-body takes as long again as the round trip).
+waiting for that key's bytes: the answer's head says it exists. A body comes at one connection's rate (S3's
+is about 100 MB/s, 20 ms for a 2 MiB chunk): through a link of 10 ms and 100 MB/s per connection (`kvstore
+bench tiers --bucket-rtt-ms 10 --bucket-mb-s 100`), a new node loaded 2 MiB chunks at 0.47-0.50 GB/s against
+0.43-0.45 waiting for the body (three runs each, 2026-12-07); on loopback, no difference.
 
 Answers are published in waves, per chain: when the chain's contiguous prefix of hits has grown by a quarter
 of the chain (at least ``_MIN_WAVE`` keys) or has reached its end (the last key, or the first miss). Each
