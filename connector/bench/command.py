@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import math
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,13 +38,18 @@ from kvstore.connector.configs import CPU_BLOCK_TOKENS
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
+    from kvstore.connector.harness.slow_link import LinkShape
+
 __all__ = [
+    "BUCKET_MB_S_HELP",
+    "BUCKET_RTT_MS_HELP",
     "CHUNK_TOKENS_HELP",
     "TIER_OPTIONS_HELP",
     "BenchCommand",
     "bench_command",
     "bench_options",
     "chunk_tokens_or_exit",
+    "link_or_exit",
     "option",
     "progress",
     "refuse",
@@ -61,6 +67,12 @@ CHUNK_TOKENS_HELP = (
     "Tokens per offloaded chunk for every method, a multiple of 128 (vLLM's block_size; 0: one block, "
     "vLLM's default). Each chunk is one object in the bucket."
 )
+
+BUCKET_RTT_MS_HELP = (
+    "Every method's requests to the S3 server through a link with this round trip, ms (0: none), as to a "
+    "bucket elsewhere"
+)
+BUCKET_MB_S_HELP = "... and this rate per connection, MB/s (0: no limit)"
 
 
 def option(*, default: T, help: str) -> T:
@@ -150,6 +162,17 @@ def chunk_tokens_or_exit(tokens: int) -> int:
             f"{tokens}: 0 or a positive multiple of {CPU_BLOCK_TOKENS} (vLLM's CPU block)",
         )
     return tokens
+
+
+def link_or_exit(rtt_ms: float, mb_s: float) -> LinkShape | None:
+    """The link `--bucket-rtt-ms` and `--bucket-mb-s` ask for (None: neither); exit 2 on a bad value."""
+    from kvstore.connector.harness.slow_link import LinkShape
+
+    if not rtt_ms and not mb_s:
+        return None
+    if not (0 <= rtt_ms < 10_000 and 0 <= mb_s < math.inf):
+        refuse("bad --bucket-rtt-ms / --bucket-mb-s", f"{rtt_ms}, {mb_s}: >= 0, finite, a round trip < 10 s")
+    return LinkShape(rtt_ms / 1000, mb_s * 1e6 if mb_s else math.inf)
 
 
 def tier_options_or_exit(text: str) -> dict[str, object]:

@@ -97,6 +97,7 @@ class VLLMReport:
     s3_objects_cold: bool = False  # the local S3 server's objects were dropped from the page cache too
     chunk_tokens: int = CPU_BLOCK_TOKENS  # tokens per offloaded chunk, every method alike
     scheduler: list[SchedulerCost] = field(default_factory=list)
+    link: str = ""  # the S3 server was reached through a link of this shape (`StoreTarget.link`)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -164,6 +165,7 @@ def bench_ttft(
             prompts=prompts,
             methods=list(methods),
             chunk_tokens=chunk_tokens or CPU_BLOCK_TOKENS,
+            link=target.link,
         )
 
         def tiering(tier: dict[str, Any]) -> dict[str, Any]:

@@ -7,10 +7,13 @@ from typing import TYPE_CHECKING
 
 from kvstore.admin.cli_common import console, settings_or_exit
 from kvstore.connector.bench.command import (
+    BUCKET_MB_S_HELP,
+    BUCKET_RTT_MS_HELP,
     CHUNK_TOKENS_HELP,
     bench_command,
     bench_options,
     chunk_tokens_or_exit,
+    link_or_exit,
     option,
     progress,
     refuse,
@@ -34,6 +37,8 @@ class VLLMOptions:
         "ours-bucket (a new node), obj (vLLM's object tier); recompute and fs are the baselines",
     )
     chunk_tokens: int = option(default=0, help=CHUNK_TOKENS_HELP)
+    bucket_rtt_ms: float = option(default=0.0, help=BUCKET_RTT_MS_HELP)
+    bucket_mb_s: float = option(default=0.0, help=BUCKET_MB_S_HELP)
     steps: int = option(default=200, help="Scheduler steps for the overhead measurement")
     output: Path = option(default=Path("bench-results/vllm.json"), help="JSON results file")
 
@@ -52,7 +57,8 @@ def bench_vllm(o: VLLMOptions) -> None:
     methods = [m.strip() for m in o.methods.split(",") if m.strip()]
     if any(m not in TTFT_METHODS for m in methods) or not {"recompute", "fs"} <= set(methods):
         refuse("bad --methods", f"{o.methods!r}: recompute and fs, and any of {', '.join(TTFT_METHODS)}")
-    with bench_target(settings_or_exit(), "vllm") as target:
+    link = link_or_exit(o.bucket_rtt_ms, o.bucket_mb_s)
+    with bench_target(settings_or_exit(), "vllm", link) as target:
         report = bench_ttft(
             target,
             words=o.words,
@@ -81,7 +87,8 @@ def _print(report: VLLMReport) -> None:
     ttft = table(
         f"kvstore bench vllm: TTFT of a {report.prompt_tokens}-token prompt in {report.chunk_tokens}-token "
         f"chunks (median of {report.prompts}, tiny model, CPU backend; page cache dropped before each "
-        f"engine: tier files{', S3 objects' if report.s3_objects_cold else ''})",
+        f"engine: tier files{', S3 objects' if report.s3_objects_cold else ''}"
+        f"{'; S3 through a link of ' + report.link if report.link else ''})",
         ("method", "TTFT s", "cached tokens", "speed-up vs recompute", "vs fs tier", "S3 GET/chunk",
          "GET 404", "PUT", "$ per 1M chunks"),
     )  # fmt: skip

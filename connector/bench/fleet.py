@@ -119,6 +119,7 @@ def run_fleet(
         conversation_tokens=footprint,
         engine_conversations=sizing.engine_kv_bytes / sizing.kv_bytes_per_token / footprint,
         cpu_conversations=sizing.cpu_bytes / sizing.kv_bytes_per_token / footprint,
+        link=store.link if store else "",
     )
     began = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="kvstore-bench-fleet-", dir=workdir))

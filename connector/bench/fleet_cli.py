@@ -9,11 +9,14 @@ import typer
 
 from kvstore.admin.cli_common import console, say
 from kvstore.connector.bench.command import (
+    BUCKET_MB_S_HELP,
+    BUCKET_RTT_MS_HELP,
     CHUNK_TOKENS_HELP,
     TIER_OPTIONS_HELP,
     bench_command,
     bench_options,
     chunk_tokens_or_exit,
+    link_or_exit,
     option,
     progress,
     refuse,
@@ -54,6 +57,8 @@ class FleetOptions:
         default=True, help="Give each node's server its own half of the CPUs, as nodes have their own"
     )
     tier_options: str = option(default="{}", help=TIER_OPTIONS_HELP)
+    bucket_rtt_ms: float = option(default=0.0, help=BUCKET_RTT_MS_HELP)
+    bucket_mb_s: float = option(default=0.0, help=BUCKET_MB_S_HELP)
 
     def at_least_one(self) -> dict[str, int]:
         """The options that count something, each of which must be at least 1."""
@@ -107,6 +112,7 @@ def bench_fleet(o: FleetOptions) -> None:
             cpu_mib=o.cpu_mib,
             batched_tokens=o.batched_tokens,
             chunk_tokens=chunk_tokens_or_exit(o.chunk_tokens),
+            link=link_or_exit(o.bucket_rtt_ms, o.bucket_mb_s),
         ) as run:
             report = run_fleet(
                 run.model_dir,
@@ -130,7 +136,7 @@ def bench_fleet(o: FleetOptions) -> None:
     title = (
         f"kvstore bench fleet: 2 nodes, {o.conversations} conversations of {o.context_tokens}-token context "
         f"+ {o.turn_tokens} tokens x {o.turns} turns, {o.concurrency} in flight "
-        f"({run.model_dir.name}, CPU backend)"
+        f"({run.model_dir.name}, CPU backend{', S3 through a link of ' + report.link if report.link else ''})"
     )
     _print(report, title)
     json_path, png_path = write_outputs(report, o.out, title)

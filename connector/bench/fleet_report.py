@@ -106,6 +106,7 @@ class FleetReport:
     cpu_conversations: float  # ... and one node's CPU tier
     methods: list[MethodResult] = field(default_factory=list)
     elapsed_s: float = 0.0
+    link: str = ""  # the S3 server was reached through a link of this shape (`StoreTarget.link`)
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "ratios": self.ratios()}, indent=2)

@@ -187,6 +187,7 @@ class MultiturnReport:
     points: list[Point] = field(default_factory=list)
     elapsed_s: float = 0.0
     tier_options: dict[str, Any] = field(default_factory=dict)  # added to our tier's entry
+    link: str = ""  # the S3 server was reached through a link of this shape (`StoreTarget.link`)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -257,6 +258,7 @@ def run_multiturn(
         engine_conversations=0.0,
         cpu_conversations=0.0,
         tier_options=dict(tier_options or {}),
+        link=store.link if store else "",
     )
     _set_footprint(report, conversation_tokens(workload), sizing)
     began = time.perf_counter()

@@ -13,11 +13,14 @@ import typer
 
 from kvstore.admin.cli_common import EXIT_CONFIG, console, err, settings_or_exit
 from kvstore.connector.bench.command import (
+    BUCKET_MB_S_HELP,
+    BUCKET_RTT_MS_HELP,
     CHUNK_TOKENS_HELP,
     TIER_OPTIONS_HELP,
     bench_command,
     bench_options,
     chunk_tokens_or_exit,
+    link_or_exit,
     option,
     progress,
     table,
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
     from kvstore.connector.bench.multiturn_runs import RunsRow
     from kvstore.connector.bench.target import StoreTarget
     from kvstore.connector.harness.multiturn import Workload
+    from kvstore.connector.harness.slow_link import LinkShape
 
 __all__ = ["ChatRun", "MultiturnOptions", "bench_multiturn", "chat_run"]
 
@@ -58,6 +62,8 @@ class MultiturnOptions:
     batched_tokens: int = option(default=2048, help="--max-num-batched-tokens")
     chunk_tokens: int = option(default=0, help=CHUNK_TOKENS_HELP)
     tier_options: str = option(default="{}", help=TIER_OPTIONS_HELP)
+    bucket_rtt_ms: float = option(default=0.0, help=BUCKET_RTT_MS_HELP)
+    bucket_mb_s: float = option(default=0.0, help=BUCKET_MB_S_HELP)
     runs: int = option(
         default=1,
         help="Runs of the whole sweep, each starting one method later; above 1, each run's results under "
@@ -88,9 +94,11 @@ def chat_run(
     batched_tokens: int,
     gpu: bool = False,
     chunk_tokens: int = 0,
+    link: LinkShape | None = None,
 ) -> Iterator[ChatRun]:
-    """A store target of its own (when `needs_store`), the model (the tiny one, built in a temporary folder,
-    unless `model`), the engines' sizing for `workload`, and a progress bar; all gone on exit."""
+    """A store target of its own (when `needs_store`; through `link` when given), the model (the tiny one,
+    built in a temporary folder, unless `model`), the engines' sizing for `workload`, and a progress bar; all
+    gone on exit."""
     import tempfile
 
     from rich.progress import Progress
@@ -103,7 +111,7 @@ def chat_run(
     longest = w.context_tokens + (w.turns - 1) * (w.turn_tokens + w.output_tokens + 32) + w.output_tokens + 64
     settings = settings_or_exit()
     with (
-        bench_target(settings, name) if needs_store else contextlib.nullcontext() as target,
+        bench_target(settings, name, link) if needs_store else contextlib.nullcontext() as target,
         tempfile.TemporaryDirectory(prefix=f"kvstore-bench-{name}-model-") as tmp,
     ):
         model_dir = model or build_tiny_model(Path(tmp) / "tiny-llama")
@@ -160,6 +168,7 @@ def bench_multiturn(o: MultiturnOptions) -> None:
             batched_tokens=o.batched_tokens,
             gpu=o.gpu,
             chunk_tokens=chunk_tokens_or_exit(o.chunk_tokens),
+            link=link_or_exit(o.bucket_rtt_ms, o.bucket_mb_s),
         ) as run:
 
             def start_point(method: str, n: int, requests: int) -> None:
@@ -168,7 +177,8 @@ def bench_multiturn(o: MultiturnOptions) -> None:
             title = (
                 f"kvstore bench multiturn: {o.context_tokens}-token context + {o.turn_tokens} tokens x "
                 f"{o.turns} turns, {o.concurrency} in flight ({run.model_dir.name}, "
-                f"{'GPU' if o.gpu else 'CPU backend'})"
+                f"{'GPU' if o.gpu else 'CPU backend'}"
+                f"{', S3 through a link of ' + run.target.link if run.target and run.target.link else ''})"
             )
             orders = [rotated(methods, index) for index in range(o.runs)]
             reports: list[MultiturnReport] = []

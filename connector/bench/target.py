@@ -4,6 +4,7 @@ when none is configured, which the benchmark removes at its end (it never touche
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -14,7 +15,8 @@ from urllib.parse import urlsplit
 
 from kvstore.config import Settings
 from kvstore.connector.harness.s3_requests import RequestCounts, read_request_counts
-from kvstore.errors import KVStoreError
+from kvstore.connector.harness.slow_link import LinkShape, SlowLink
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.storage import EMBEDDED_BUCKET, open_object_store
 
 __all__ = ["StoreTarget", "bench_target", "environment"]
@@ -38,6 +40,8 @@ class StoreTarget:
     # Where that local server keeps its objects: benchmarks drop them from the page cache before timing reads
     # (a bucket's objects are on its disks, not in this machine's RAM).
     server_dir: Path | None = None
+    # `endpoint` is a link of this shape to the server (`SlowLink`), every method's requests through it.
+    link: str = ""
 
     @property
     def is_s3(self) -> bool:
@@ -82,15 +86,16 @@ class StoreTarget:
 
 
 @contextlib.contextmanager
-def bench_target(settings: Settings, name: str) -> Iterator[StoreTarget]:
+def bench_target(settings: Settings, name: str, link: LinkShape | None = None) -> Iterator[StoreTarget]:
     """A fresh prefix `bench-<name>-<ns>` of the configured store; its objects are deleted at the end and an
-    embedded server this started is stopped."""
+    embedded server this started is stopped. With ``link``, every request goes through a `SlowLink` of that
+    shape to the server (ConfigError where the store is not S3 on plain http: the embedded server's)."""
     run_prefix = f"bench-{name}-{time.time_ns()}"
     store, server = open_object_store(settings, subprefix=run_prefix)
     try:
         if server is not None:
             credentials = {"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key}
-            yield StoreTarget(
+            target = StoreTarget(
                 f"s3://{EMBEDDED_BUCKET}/{run_prefix}",
                 server.endpoint,
                 credentials,
@@ -102,12 +107,19 @@ def bench_target(settings: Settings, name: str) -> Iterator[StoreTarget]:
                 server_dir=server.data_dir,
             )
         else:
-            yield StoreTarget(
+            target = StoreTarget(
                 f"{settings.local_store_url.rstrip('/')}/{run_prefix}",
                 settings.s3_endpoint,
                 access_key=settings.access_key.get_secret_value() if settings.access_key else "",
                 secret_key=settings.secret_key.get_secret_value() if settings.secret_key else "",
             )
+        if link is None:
+            yield target
+        else:
+            if not target.is_s3 or not (target.endpoint or "").startswith("http://"):
+                raise ConfigError(f"a link ({link}) goes to S3 on plain http, not {target.store_url}")
+            with SlowLink(target.endpoint or "", link) as slow:
+                yield dataclasses.replace(target, endpoint=slow.endpoint, link=str(link))
     finally:
         with contextlib.suppress(KVStoreError):  # best effort: a store gone down keeps its leftovers
             store.delete_many([info.key for info in store.list()])

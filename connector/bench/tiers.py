@@ -13,7 +13,7 @@ Same disk, same chunks, same job shapes, interleaved rounds (the best round of e
     answered, one load job per step for what was answered); against raw parallel GETs of the same objects
     with the best S3 client here (the data path's own) and the same number of threads; with `server_core`,
     the embedded S3 server on a core of its own, both sides on the others (`kvstore.connector.bench.cores`);
-    with `link`, both through a proxy that adds a round trip and caps each connection's rate (`SlowLink`).
+    through a link to the server (`bench_target`'s), both alike.
 Also the raw disk: an O_DIRECT `dd` write and read in the same run. Results are ratios within one run.
 
 This module runs the parts in that order and gathers their report: `disk` (the raw disk), `tiers_store_load`
@@ -24,7 +24,6 @@ tiers through `tier_driver`; `tiers_cli` is the command.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import shutil
 import tempfile
@@ -37,7 +36,6 @@ from kvstore.connector.bench.disk import DiskResult, dd_bandwidth
 from kvstore.connector.bench.target import StoreTarget
 from kvstore.connector.bench.tiers_object_path import ObjectPathResult, bench_object_path
 from kvstore.connector.bench.tiers_store_load import SizeResult, bench_size
-from kvstore.connector.harness.slow_link import LinkShape, SlowLink
 
 __all__ = ["TiersReport", "bench_object_path", "bench_size", "run_tiers_bench"]
 
@@ -50,7 +48,7 @@ class TiersReport:
     chunks_per_job: int = 0
     # The object path ran with the S3 server's threads on these cores and the benchmark's on the others.
     server_cpus: list[int] = field(default_factory=list)
-    link: str = ""  # ... and through a link of this shape to the server (`SlowLink`), if any
+    link: str = ""  # ... and through a link of this shape to the server (`StoreTarget.link`), if any
     data: str = "synthetic bf16: standard-normal values rounded to bfloat16"
 
     def to_json(self) -> str:
@@ -67,16 +65,12 @@ def run_tiers_bench(
     object_bytes: int,
     workers: int,
     server_core: bool = False,
-    link: LinkShape | None = None,
     workdir: Path | None = None,
     progress: Callable[[str], None] = lambda _msg: None,
 ) -> TiersReport:
     """`server_core`: the object path with the target's local S3 server on a core of its own
-    (`CoresUnavailable` at once when that cannot be done); `link`: through a link of that shape (ValueError
-    at once where the target is not a plain-http S3 endpoint)."""
-    if link is not None and not (target and target.is_s3 and (target.endpoint or "").startswith("http://")):
-        raise ValueError("a shaped link goes to an S3 endpoint on plain http (the embedded server's)")
-    report = TiersReport(chunks_per_job=chunks_per_job, link=str(link or ""))
+    (`CoresUnavailable` at once when that cannot be done)."""
+    report = TiersReport(chunks_per_job=chunks_per_job, link=target.link if target else "")
     apart = server_apart(target.server_pid if target else None) if server_core else None
     with _workdir(workdir) as root:
         progress("raw disk (O_DIRECT dd)")
@@ -86,12 +80,8 @@ def run_tiers_bench(
             progress(f"store and cold load, {size // 1024} KiB x {chunks}, ours vs vLLM fs, {rounds} rounds")
             report.sizes.append(bench_size(size, chunks, rounds=rounds, per_job=chunks_per_job, workdir=root))
         if target is not None and target.is_s3:  # a new node's path to S3, against raw GETs
-            with contextlib.ExitStack() as stack:
-                if link is not None and target.endpoint:
-                    slow = stack.enter_context(SlowLink(target.endpoint, link))
-                    target = dataclasses.replace(target, endpoint=slow.endpoint)
-                if apart is not None:
-                    report.server_cpus = sorted(stack.enter_context(apart)[0])
+            with apart or contextlib.nullcontext((set[int](), set[int]())) as (server_cpus, _):
+                report.server_cpus = sorted(server_cpus)
                 for size in sizes:
                     chunks = max(8, object_bytes // size)
                     progress(f"object path of a new node, {size // 1024} KiB x {chunks}")

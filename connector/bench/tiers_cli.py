@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvstore.admin.cli_common import console, settings_or_exit
 from kvstore.connector.bench.command import (
+    BUCKET_MB_S_HELP,
+    BUCKET_RTT_MS_HELP,
     bench_command,
     bench_options,
+    link_or_exit,
     option,
     progress,
     refuse,
     table,
     write_results,
 )
-from kvstore.connector.harness.slow_link import LinkShape
 
 if TYPE_CHECKING:
     from kvstore.connector.bench.codecs import CodecResult
@@ -38,10 +39,8 @@ class TiersOptions:
         default=False,
         help="The object path with the embedded S3 server on a core of its own, as a remote bucket's is",
     )
-    bucket_rtt_ms: float = option(
-        default=0.0, help="The object path through a link with this round trip to the server, ms"
-    )
-    bucket_mb_s: float = option(default=0.0, help="... and this rate per connection, MB/s (0: no limit)")
+    bucket_rtt_ms: float = option(default=0.0, help=BUCKET_RTT_MS_HELP)
+    bucket_mb_s: float = option(default=0.0, help=BUCKET_MB_S_HELP)
     output: Path = option(default=Path("bench-results/tiers.json"), help="JSON results file")
 
 
@@ -54,8 +53,8 @@ def bench_tiers(o: TiersOptions) -> None:
     from kvstore.connector.bench.target import bench_target, environment
     from kvstore.connector.bench.tiers import run_tiers_bench
 
-    link = _link_or_exit(o)
-    with bench_target(settings_or_exit(), "tiers") as target, environment(target.env):
+    link = link_or_exit(o.bucket_rtt_ms, o.bucket_mb_s)
+    with bench_target(settings_or_exit(), "tiers", link) as target, environment(target.env):
         try:
             report = run_tiers_bench(
                 sizes=[int(s) * 1024 for s in o.sizes.split(",")],
@@ -66,27 +65,15 @@ def bench_tiers(o: TiersOptions) -> None:
                 object_bytes=o.object_mib << 20,
                 workers=o.workers,
                 server_core=o.server_core,
-                link=link,
                 progress=progress,
             )
         except CoresUnavailable as exc:
             refuse("bad --server-core", exc)
-        except ValueError as exc:
-            refuse("bad --bucket-rtt-ms / --bucket-mb-s", exc)
     codecs = bench_codecs()
     _print(report, codecs, o.rounds)
     result = json.loads(report.to_json())
     result["codecs"] = [vars(c) for c in codecs]
     write_results(o.output, json.dumps(result, indent=2))
-
-
-def _link_or_exit(o: TiersOptions) -> LinkShape | None:
-    """The link `--bucket-rtt-ms` and `--bucket-mb-s` ask for (None: neither); exit 2 on a bad value."""
-    if not o.bucket_rtt_ms and not o.bucket_mb_s:
-        return None
-    if not (0 <= o.bucket_rtt_ms < 10_000 and 0 <= o.bucket_mb_s < math.inf):
-        refuse("bad --bucket-rtt-ms / --bucket-mb-s", f"{o.bucket_rtt_ms}, {o.bucket_mb_s}: finite, >= 0")
-    return LinkShape(o.bucket_rtt_ms / 1000, o.bucket_mb_s * 1e6 if o.bucket_mb_s else math.inf)
 
 
 def _print(report: TiersReport, codecs: list[CodecResult], rounds: int) -> None:
