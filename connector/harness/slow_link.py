@@ -7,10 +7,13 @@ arrives at one connection's rate (S3 serves a GET at about 100 MB/s) never shows
 client and the server and those costs are back, for every method of a benchmark alike; the server's own
 request counters still count what crossed it.
 
-The proxy is a process of its own (`SlowLink` starts it), so its CPU is not the benchmark's: it stands for
-the network. One asyncio loop; each connection gets an upstream connection of its own and a pump per
-direction that reads what comes, stamps it with the time it may be delivered (now plus half the round trip,
-and no sooner than the connection's rate allows after the bytes before it), and writes it out then.
+The proxy is a process of its own (`SlowLink` starts it), so its CPU is not counted as the benchmark's: it
+stands for the network. On a machine of few cores it still takes cores the engines would have, a cost only
+the methods that cross it carry (a real network's is the NIC's).
+
+One asyncio loop; each connection gets an upstream connection of its own and a pump per direction that reads
+what comes, stamps it with the time it may be delivered (now plus half the round trip, and no sooner than the
+connection's rate allows after the bytes before it), and writes it out then.
 """
 
 from __future__ import annotations
