@@ -50,6 +50,7 @@ __all__ = [
     "bench_options",
     "chunk_tokens_or_exit",
     "link_or_exit",
+    "link_said",
     "option",
     "progress",
     "refuse",
@@ -173,6 +174,11 @@ def link_or_exit(rtt_ms: float, mb_s: float) -> LinkShape | None:
     if not (0 <= rtt_ms < 10_000 and 0 <= mb_s < math.inf):
         refuse("bad --bucket-rtt-ms / --bucket-mb-s", f"{rtt_ms}, {mb_s}: >= 0, finite, a round trip < 10 s")
     return LinkShape(rtt_ms / 1000, mb_s * 1e6 if mb_s else math.inf)
+
+
+def link_said(link: str) -> str:
+    """What a title adds for a run whose S3 server was reached through ``link`` (``StoreTarget.link``)."""
+    return f", S3 through a link of {link}" if link else ""
 
 
 def tier_options_or_exit(text: str) -> dict[str, object]:

@@ -14,6 +14,7 @@ from kvstore.connector.bench.command import (
     bench_options,
     chunk_tokens_or_exit,
     link_or_exit,
+    link_said,
     option,
     progress,
     refuse,
@@ -88,7 +89,7 @@ def _print(report: VLLMReport) -> None:
         f"kvstore bench vllm: TTFT of a {report.prompt_tokens}-token prompt in {report.chunk_tokens}-token "
         f"chunks (median of {report.prompts}, tiny model, CPU backend; page cache dropped before each "
         f"engine: tier files{', S3 objects' if report.s3_objects_cold else ''}"
-        f"{'; S3 through a link of ' + report.link if report.link else ''})",
+        f"{link_said(report.link)})",
         ("method", "TTFT s", "cached tokens", "speed-up vs recompute", "vs fs tier", "S3 GET/chunk",
          "GET 404", "PUT", "$ per 1M chunks"),
     )  # fmt: skip

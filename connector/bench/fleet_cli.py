@@ -17,6 +17,7 @@ from kvstore.connector.bench.command import (
     bench_options,
     chunk_tokens_or_exit,
     link_or_exit,
+    link_said,
     option,
     progress,
     refuse,
@@ -136,7 +137,7 @@ def bench_fleet(o: FleetOptions) -> None:
     title = (
         f"kvstore bench fleet: 2 nodes, {o.conversations} conversations of {o.context_tokens}-token context "
         f"+ {o.turn_tokens} tokens x {o.turns} turns, {o.concurrency} in flight "
-        f"({run.model_dir.name}, CPU backend{', S3 through a link of ' + report.link if report.link else ''})"
+        f"({run.model_dir.name}, CPU backend{link_said(report.link)})"
     )
     _print(report, title)
     json_path, png_path = write_outputs(report, o.out, title)

@@ -21,6 +21,7 @@ from kvstore.connector.bench.command import (
     bench_options,
     chunk_tokens_or_exit,
     link_or_exit,
+    link_said,
     option,
     progress,
     table,
@@ -178,7 +179,7 @@ def bench_multiturn(o: MultiturnOptions) -> None:
                 f"kvstore bench multiturn: {o.context_tokens}-token context + {o.turn_tokens} tokens x "
                 f"{o.turns} turns, {o.concurrency} in flight ({run.model_dir.name}, "
                 f"{'GPU' if o.gpu else 'CPU backend'}"
-                f"{', S3 through a link of ' + run.target.link if run.target and run.target.link else ''})"
+                f"{link_said(run.target.link if run.target else '')})"
             )
             orders = [rotated(methods, index) for index in range(o.runs)]
             reports: list[MultiturnReport] = []
