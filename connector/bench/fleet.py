@@ -47,6 +47,7 @@ from typing import Any
 
 from kvstore.agent.uploads import wait_uploaded
 from kvstore.cache import ChangeKind, NVMeCache
+from kvstore.connector.bench.cores import server_apart
 from kvstore.connector.bench.fleet_nodes import NODES, Nodes, cpu_delta, node_cpus
 from kvstore.connector.bench.fleet_report import FleetReport, MethodResult, method_result, tier_chunks
 from kvstore.connector.bench.multiturn import Sizing, conversation_tokens
@@ -90,6 +91,7 @@ def run_fleet(
     nvme_bytes: int = 8 << 30,
     tier_options: dict[str, Any] | None = None,
     pin_nodes: bool = True,
+    server_core: bool = False,
     workdir: Path | None = None,
     log_dir: Path | None = None,
     drain_timeout_s: float = 600.0,
@@ -103,19 +105,26 @@ def run_fleet(
 
     `pin_nodes`: each node's server gets its own share of this process's CPUs, as nodes have their own
     (`node_cpus`); its node agent, which it starts, inherits them. Unpinned, the two engines' OpenMP teams
-    bind to the same cores (vLLM binds every engine to all of them) and spin against each other."""
+    bind to the same cores (vLLM binds every engine to all of them) and spin against each other.
+
+    `server_core`: the store's local S3 server (and the link before it) on the last core for every method,
+    the nodes on the others, as if the bucket were served elsewhere (`server_apart`; `CoresUnavailable` at
+    once when that cannot be done); the methods without a bucket get the same cores, the last one idle."""
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
     if store is None and any(m in _S3 for m in methods):
         raise ValueError(f"methods {', '.join(_S3)} need a store target")
+    if server_core and not pin_nodes:
+        raise ValueError("a core of its own for the server needs the nodes pinned to the others")
+    apart = (store.server_apart() if store else server_apart(None)) if server_core else None
     footprint = conversation_tokens(workload)
     report = FleetReport(
         workload=asdict(workload),
         sizing=asdict(sizing),
         nvme_bytes=nvme_bytes,
         tier_options=dict(tier_options or {}),
-        node_cpus=node_cpus() if pin_nodes else [[] for _ in range(NODES)],
+        node_cpus=node_cpus(spare_last=server_core) if pin_nodes else [[] for _ in range(NODES)],
         conversation_tokens=footprint,
         engine_conversations=sizing.engine_kv_bytes / sizing.kv_bytes_per_token / footprint,
         cpu_conversations=sizing.cpu_bytes / sizing.kv_bytes_per_token / footprint,
@@ -124,15 +133,17 @@ def run_fleet(
     began = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="kvstore-bench-fleet-", dir=workdir))
     try:
-        for method in methods:
-            run = _MethodRun(method, model_dir, workload, sizing, store, report, root / method, log_dir)
-            progress(f"{method} ({DESCRIPTIONS[method]}): starting {NODES} vLLM servers")
-            result = run.run(drain_timeout_s, progress, on_turn, on_method_start)
-            report.methods.append(result)
-            progress(
-                f"{method}: {result.prompt_tokens_per_s:,.0f} prompt tokens/s, "
-                f"TTFT {result.ttft_mean_s:.3f} s mean"
-            )
+        with apart or contextlib.nullcontext((set[int](), set[int]())) as (server_cpus, _):
+            report.server_cpus = sorted(server_cpus)
+            for method in methods:
+                run = _MethodRun(method, model_dir, workload, sizing, store, report, root / method, log_dir)
+                progress(f"{method} ({DESCRIPTIONS[method]}): starting {NODES} vLLM servers")
+                result = run.run(drain_timeout_s, progress, on_turn, on_method_start)
+                report.methods.append(result)
+                progress(
+                    f"{method}: {result.prompt_tokens_per_s:,.0f} prompt tokens/s, "
+                    f"TTFT {result.ttft_mean_s:.3f} s mean"
+                )
         if report.methods:  # the measured footprint replaces the estimate
             measured = max(m.last_turn_tokens for m in report.methods)
             report.conversation_tokens = measured

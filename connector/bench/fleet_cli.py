@@ -57,6 +57,11 @@ class FleetOptions:
     pin_nodes: bool = option(
         default=True, help="Give each node's server its own half of the CPUs, as nodes have their own"
     )
+    server_core: bool = option(
+        default=False,
+        help="The local S3 server (and --bucket-rtt-ms's link) on the last core, both nodes on the others for"
+        " every method, as if the bucket were served elsewhere",
+    )
     tier_options: str = option(default="{}", help=TIER_OPTIONS_HELP)
     bucket_rtt_ms: float = option(default=0.0, help=BUCKET_RTT_MS_HELP)
     bucket_mb_s: float = option(default=0.0, help=BUCKET_MB_S_HELP)
@@ -82,6 +87,7 @@ def bench_fleet(o: FleetOptions) -> None:
     round-robin with vLLM's fs tier per node, round-robin with ours, cache- and load-aware routing with ours
     (NVIDIA Dynamo's KV indexer), round-robin with vLLM's obj tier; throughput, TTFT, hit shares per tier,
     cross-node hits, CPU seconds, S3 requests."""
+    from kvstore.connector.bench.cores import CoresUnavailable
     from kvstore.connector.bench.fleet import METHODS, run_fleet
     from kvstore.connector.bench.fleet_report import write_outputs
     from kvstore.connector.harness.multiturn import Workload
@@ -99,6 +105,8 @@ def bench_fleet(o: FleetOptions) -> None:
             refuse(f"bad {name}", f"{value} (must be at least 1)")
     if not o.nvme_gib > 0 or o.nvme_gib == float("inf"):
         refuse("bad --nvme-gib", f"{o.nvme_gib} (must be a positive number)")
+    if o.server_core and not o.pin_nodes:
+        refuse("bad --server-core", "the server's core of its own needs the nodes pinned to the others")
     options = tier_options_or_exit(o.tier_options)
     workload = Workload(
         o.conversations, o.context_tokens, o.turn_tokens, o.turns, o.output_tokens, o.concurrency
@@ -107,7 +115,8 @@ def bench_fleet(o: FleetOptions) -> None:
         with chat_run(
             "fleet",
             workload,
-            needs_store=any(m.startswith(("ours", "obj")) for m in methods),
+            # With --server-core a run of methods without a bucket still starts its server, on its core.
+            needs_store=o.server_core or any(m.startswith(("ours", "obj")) for m in methods),
             model=o.model,
             engine_kv_mib=o.engine_kv_mib,
             cpu_mib=o.cpu_mib,
@@ -124,11 +133,14 @@ def bench_fleet(o: FleetOptions) -> None:
                 nvme_bytes=int(o.nvme_gib * 2**30),
                 tier_options=options,
                 pin_nodes=o.pin_nodes,
+                server_core=o.server_core,
                 log_dir=o.out / "logs",
                 progress=progress,
                 on_turn=lambda _turn: run.bar.advance(run.task),
                 on_method_start=lambda method, n: run.bar.reset(run.task, total=n, description=method),
             )
+    except CoresUnavailable as exc:
+        refuse("bad --server-core", exc)
     except ValueError as exc:
         refuse("bad arguments", exc)
     except (VLLMServerError, RouterError) as exc:
@@ -137,11 +149,18 @@ def bench_fleet(o: FleetOptions) -> None:
     title = (
         f"kvstore bench fleet: 2 nodes, {o.conversations} conversations of {o.context_tokens}-token context "
         f"+ {o.turn_tokens} tokens x {o.turns} turns, {o.concurrency} in flight "
-        f"({run.model_dir.name}, CPU backend{link_said(report.link)})"
+        f"({run.model_dir.name}, CPU backend{link_said(report.link)}{_apart_said(report)})"
     )
     _print(report, title)
     json_path, png_path = write_outputs(report, o.out, title)
     console.print(f"results written to {json_path} and {png_path} ({report.elapsed_s:.0f} s)")
+
+
+def _apart_said(report: FleetReport) -> str:
+    if not report.server_cpus:
+        return ""
+    nodes = sorted({cpu for cpus in report.node_cpus for cpu in cpus})
+    return f"; the S3 server on CPU {report.server_cpus[0]}, the nodes on {', '.join(map(str, nodes))}"
 
 
 def _print(report: FleetReport, title: str) -> None:

@@ -27,9 +27,15 @@ __all__ = ["NODES", "Accounts", "Nodes", "cpu_delta", "node_cpus"]
 NODES = 2
 
 
-def node_cpus() -> list[list[int]]:
-    """This process's CPUs split evenly between the nodes ([] each when there are fewer CPUs than nodes)."""
+def node_cpus(*, spare_last: bool = False) -> list[list[int]]:
+    """This process's CPUs split evenly between the nodes ([] each when there are fewer CPUs than nodes).
+    ``spare_last``: all but the last, which the bucket's server takes (`server_apart`); fewer of them than
+    nodes, and the nodes share them, as the nodes of a small machine share its cores."""
     cpus = sorted(os.sched_getaffinity(0))
+    if spare_last:
+        cpus = cpus[:-1]
+        if 0 < len(cpus) < NODES:
+            return [cpus for _ in range(NODES)]
     share = len(cpus) // NODES
     if share == 0:
         return [[] for _ in range(NODES)]

@@ -107,6 +107,7 @@ class FleetReport:
     methods: list[MethodResult] = field(default_factory=list)
     elapsed_s: float = 0.0
     link: str = ""  # the S3 server was reached through a link of this shape (`StoreTarget.link`)
+    server_cpus: list[int] = field(default_factory=list)  # the S3 server's own cores (`--server-core`)
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "ratios": self.ratios()}, indent=2)

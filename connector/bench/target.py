@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvstore.config import Settings
+from kvstore.connector.bench.cores import server_apart
 from kvstore.connector.harness.s3_requests import RequestCounts, read_request_counts
 from kvstore.connector.harness.slow_link import LinkShape, SlowLink
 from kvstore.errors import ConfigError, KVStoreError
@@ -42,6 +43,11 @@ class StoreTarget:
     server_dir: Path | None = None
     # `endpoint` is a link of this shape to the server (`SlowLink`), every method's requests through it.
     link: str = ""
+    link_pid: int | None = None  # that link's proxy process
+
+    def server_apart(self) -> contextlib.AbstractContextManager[tuple[set[int], set[int]]]:
+        """`cores.server_apart` for this target's local server and the link before it."""
+        return server_apart(self.server_pid, [self.link_pid] if self.link_pid is not None else [])
 
     @property
     def is_s3(self) -> bool:
@@ -119,7 +125,7 @@ def bench_target(settings: Settings, name: str, link: LinkShape | None = None) -
             if not target.is_s3 or not (target.endpoint or "").startswith("http://"):
                 raise ConfigError(f"a link ({link}) goes to S3 on plain http, not {target.store_url}")
             with SlowLink(target.endpoint or "", link) as slow:
-                yield dataclasses.replace(target, endpoint=slow.endpoint, link=str(link))
+                yield dataclasses.replace(target, endpoint=slow.endpoint, link=str(link), link_pid=slow.pid)
     finally:
         with contextlib.suppress(KVStoreError):  # best effort: a store gone down keeps its leftovers
             store.delete_many([info.key for info in store.list()])

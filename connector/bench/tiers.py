@@ -71,7 +71,7 @@ def run_tiers_bench(
     """`server_core`: the object path with the target's local S3 server on a core of its own
     (`CoresUnavailable` at once when that cannot be done)."""
     report = TiersReport(chunks_per_job=chunks_per_job, link=target.link if target else "")
-    apart = server_apart(target.server_pid if target else None) if server_core else None
+    apart = (target.server_apart() if target else server_apart(None)) if server_core else None
     with _workdir(workdir) as root:
         progress("raw disk (O_DIRECT dd)")
         report.disk = dd_bandwidth(root)

@@ -67,6 +67,11 @@ class SlowLink:
             self.close()
             raise
 
+    @property
+    def pid(self) -> int:
+        """The proxy's process (its CPU is the link's, not the benchmark's)."""
+        return self._process.pid
+
     def _port(self) -> int:
         """The port the proxy says it listens on (its first line), waited for at most `_START_S`."""
         assert self._process.stdout is not None

@@ -95,6 +95,7 @@ def test_serve_on_a_public_address_with_the_explicit_flag(tmp_path: Path) -> Non
         (["gc", "--ttl-seconds", "60", "--max-bytes", "-1"], {}, "--max-bytes"),
         (["bench", "multiturn", "--tier-options", "[1]"], {}, "--tier-options"),
         (["bench", "fleet", "--tier-options", "{oops"], {}, "--tier-options"),
+        (["bench", "fleet", "--server-core", "--no-pin-nodes"], {}, "--server-core"),
         (
             ["pin", "add", "p", "--namespace", "m_0123456789ab", "--token-ids", "1", "--ttl-seconds", "nan"],
             {},

