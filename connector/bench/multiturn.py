@@ -37,6 +37,7 @@ from typing import Any
 
 from kvstore.agent.supervisor import agent_status, stop_agent
 from kvstore.agent.uploads import OWN_SERVER_HOLD_S, wait_uploaded_in
+from kvstore.connector.bench.cores import server_apart
 from kvstore.connector.bench.outputs import figure, json_and_png
 from kvstore.connector.bench.target import StoreTarget
 from kvstore.connector.configs import CPU_BLOCK_TOKENS, cpu_tiering_config
@@ -188,6 +189,7 @@ class MultiturnReport:
     elapsed_s: float = 0.0
     tier_options: dict[str, Any] = field(default_factory=dict)  # added to our tier's entry
     link: str = ""  # the S3 server was reached through a link of this shape (`StoreTarget.link`)
+    server_cpus: list[int] = field(default_factory=list)  # the S3 server's own cores (`--server-core`)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -237,6 +239,7 @@ def run_multiturn(
     methods: Sequence[str] = METHODS,
     store: StoreTarget | None = None,
     tier_options: dict[str, Any] | None = None,
+    server_core: bool = False,
     workdir: Path | None = None,
     progress: Callable[[str], None] = print,
     on_turn: Callable[[TurnRecord], None] | None = None,
@@ -245,12 +248,16 @@ def run_multiturn(
     """The sweep. `workload.conversations` is replaced by each entry of `conversations`.
 
     `on_point_start(method, conversations, requests)` runs before each point (a progress bar's reset);
-    `tier_options` are added to our tier's `secondary_tiers` entry (e.g. `gil_switch_interval_s`)."""
+    `tier_options` are added to our tier's `secondary_tiers` entry (e.g. `gil_switch_interval_s`).
+    `server_core`: the store's local S3 server (and the link before it) on the last core for every method,
+    the engine on the others, as if the bucket were served elsewhere (`server_apart`; `CoresUnavailable` at
+    once when that cannot be done)."""
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
     if store is None and any(m in S3_METHODS for m in methods):
         raise ValueError(f"methods {', '.join(S3_METHODS)} need a store target")
+    apart = (store.server_apart() if store else server_apart(None)) if server_core else None
     report = MultiturnReport(
         workload={k: v for k, v in asdict(workload).items() if k != "conversations"},
         sizing=asdict(sizing),
@@ -264,32 +271,40 @@ def run_multiturn(
     began = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="kvstore-bench-multiturn-", dir=workdir))
     try:
-        for method in methods:
-            config, env = _method_config(method, sizing, store, root, report.tier_options)
-            progress(f"{method}: starting a fresh vLLM server")
-            with vllm_server(
-                model_dir,
-                kv_transfer_config=config,
-                env=env,
-                extra_args=sizing.server_args(),
-                log_path=root / f"server-{method.replace('+', '-')}.log",
-            ) as server:
-                # First requests after start pay one-off costs (allocations, warm-up paths): not measured.
-                asyncio.run(replay(server.base_url, server.model, workload.warmup(seed=0)))
-                for index, n in enumerate(conversations):
-                    point_load = Workload(**{**asdict(workload), "conversations": n, "seed": index + 1})
-                    if on_point_start is not None:
-                        on_point_start(method, n, n * workload.turns)
-                    s3 = store if method in S3_METHODS else None
-                    nvme = _cache_dir(root, method) if method in _OURS else None
-                    report.points.append(_run_point(server, method, point_load, on_turn, s3, nvme, sizing))
-                    p = report.points[-1]
-                    progress(
-                        f"{method}, {n} conversations: {p.prompt_tokens_per_s:,.0f} prompt tokens/s, "
-                        f"TTFT {p.ttft_mean_s:.3f} s mean"
-                    )
-            if method in _OURS:
-                stop_agent(_cache_dir(root, method))  # the node agent the tier started outlives the server
+        with apart or contextlib.nullcontext((set[int](), set[int]())) as (server_cpus, engine_cpus):
+            report.server_cpus = sorted(server_cpus)
+            for method in methods:
+                config, env = _method_config(method, sizing, store, root, report.tier_options)
+                if engine_cpus:  # vLLM binds its OpenMP threads itself, to every core unless told
+                    env = {**env, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(engine_cpus)))}
+                progress(f"{method}: starting a fresh vLLM server")
+                with vllm_server(
+                    model_dir,
+                    kv_transfer_config=config,
+                    env=env,
+                    extra_args=sizing.server_args(),
+                    log_path=root / f"server-{method.replace('+', '-')}.log",
+                ) as server:
+                    # First requests after start pay one-off costs (allocations, warm-up paths): not measured.
+                    asyncio.run(replay(server.base_url, server.model, workload.warmup(seed=0)))
+                    for index, n in enumerate(conversations):
+                        point_load = Workload(**{**asdict(workload), "conversations": n, "seed": index + 1})
+                        if on_point_start is not None:
+                            on_point_start(method, n, n * workload.turns)
+                        s3 = store if method in S3_METHODS else None
+                        nvme = _cache_dir(root, method) if method in _OURS else None
+                        report.points.append(
+                            _run_point(server, method, point_load, on_turn, s3, nvme, sizing)
+                        )
+                        p = report.points[-1]
+                        progress(
+                            f"{method}, {n} conversations: {p.prompt_tokens_per_s:,.0f} prompt tokens/s, "
+                            f"TTFT {p.ttft_mean_s:.3f} s mean"
+                        )
+                if method in _OURS:
+                    stop_agent(
+                        _cache_dir(root, method)
+                    )  # the node agent the tier started outlives the server
         if report.points:  # the measured footprint replaces the estimate
             _set_footprint(report, max(p.last_turn_tokens for p in report.points), sizing)
         report.elapsed_s = time.perf_counter() - began

@@ -24,6 +24,7 @@ from kvstore.connector.bench.command import (
     link_said,
     option,
     progress,
+    refuse,
     table,
     tier_options_or_exit,
 )
@@ -65,6 +66,11 @@ class MultiturnOptions:
     tier_options: str = option(default="{}", help=TIER_OPTIONS_HELP)
     bucket_rtt_ms: float = option(default=0.0, help=BUCKET_RTT_MS_HELP)
     bucket_mb_s: float = option(default=0.0, help=BUCKET_MB_S_HELP)
+    server_core: bool = option(
+        default=False,
+        help="The local S3 server (and --bucket-rtt-ms's link) on the last core, the engine on the others for"
+        " every method, as if the bucket were served elsewhere",
+    )
     runs: int = option(
         default=1,
         help="Runs of the whole sweep, each starting one method later; above 1, each run's results under "
@@ -136,6 +142,7 @@ def bench_multiturn(o: MultiturnOptions) -> None:
     """Multi-turn chat throughput through a real vLLM OpenAI server: no offloading vs CPU tier vs CPU + vLLM's
     fs tier vs CPU + our tier vs CPU + vLLM's object tier, swept over the number of concurrent conversations,
     with the S3 requests each method made (table, JSON, PNG)."""
+    from kvstore.connector.bench.cores import CoresUnavailable
     from kvstore.connector.bench.multiturn import S3_METHODS, run_multiturn, write_outputs
     from kvstore.connector.bench.multiturn_runs import (
         baseline_of,
@@ -162,7 +169,8 @@ def bench_multiturn(o: MultiturnOptions) -> None:
         with chat_run(
             "multiturn",
             workload,
-            needs_store=any(m in S3_METHODS for m in methods),
+            # With --server-core a run of methods without a bucket still starts its server, on its core.
+            needs_store=o.server_core or any(m in S3_METHODS for m in methods),
             model=o.model,
             engine_kv_mib=o.engine_kv_mib,
             cpu_mib=o.cpu_mib,
@@ -179,7 +187,8 @@ def bench_multiturn(o: MultiturnOptions) -> None:
                 f"kvstore bench multiturn: {o.context_tokens}-token context + {o.turn_tokens} tokens x "
                 f"{o.turns} turns, {o.concurrency} in flight ({run.model_dir.name}, "
                 f"{'GPU' if o.gpu else 'CPU backend'}"
-                f"{link_said(run.target.link if run.target else '')})"
+                f"{link_said(run.target.link if run.target else '')}"
+                f"{'; the S3 server on a core of its own' if o.server_core else ''})"
             )
             orders = [rotated(methods, index) for index in range(o.runs)]
             reports: list[MultiturnReport] = []
@@ -194,6 +203,7 @@ def bench_multiturn(o: MultiturnOptions) -> None:
                     methods=order,
                     store=run.target,
                     tier_options=options,
+                    server_core=o.server_core,
                     progress=progress,
                     on_turn=lambda _record: run.bar.advance(run.task),
                     on_point_start=start_point,
@@ -201,6 +211,8 @@ def bench_multiturn(o: MultiturnOptions) -> None:
                 reports.append(report)
                 if o.runs > 1:  # saved as each run ends: a later run's failure loses none of it
                     write_outputs(report, o.out / run_folder(index), f"{title}, run {index + 1} of {o.runs}")
+    except CoresUnavailable as exc:
+        refuse("bad --server-core", exc)
     except ValueError as exc:
         err.print(f"[red]bad arguments:[/red] {exc}")
         raise typer.Exit(EXIT_CONFIG) from None

