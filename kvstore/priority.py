@@ -4,6 +4,12 @@ Work nobody waits on takes only what the engines leave: SCHED_IDLE runs a thread
 the CPU, and the idle I/O class uses the disk only when nothing else does. Both are inherited by threads
 and processes started later (across exec too), so a child set up with `lower_child_priority` in its
 `preexec_fn` runs its whole life at idle priority.
+
+A `preexec_fn` makes `subprocess` fork the caller. In a large process (vLLM's engine, a benchmark holding
+hundreds of MiB of buffers) a fork copies the page tables with the GIL held, and every page the caller
+writes afterwards faults once: 512 faults per 2 MiB buffer refilled, doubling the CPU of a GET into it. For
+commands started while the caller works, `background_command` instead starts a small interpreter that sets
+the same up for itself and execs the command, so the caller is never forked.
 """
 
 from __future__ import annotations
@@ -13,8 +19,17 @@ import ctypes
 import logging
 import os
 import platform
+import signal
+import sys
+from collections.abc import Sequence
 
-__all__ = ["lower_child_priority", "lower_priority"]
+__all__ = [
+    "background_child",
+    "background_command",
+    "die_with_parent",
+    "lower_child_priority",
+    "lower_priority",
+]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +56,40 @@ def lower_child_priority() -> None:
     """`lower_priority` for a `preexec_fn`: the child between fork and exec, one thread, which must not
     log (a lock another thread held at the fork is never released there)."""
     _lower(0)
+
+
+def die_with_parent() -> None:
+    """In a child before exec: on Linux, SIGTERM when the thread that started it ends (with its process, or
+    before), so a killed starter never leaves the child behind. Elsewhere a no-op."""
+    if sys.platform != "linux":
+        return
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def background_child() -> None:
+    """`die_with_parent` and `lower_child_priority`: a child that takes only the CPU and disk time the engines
+    leave and ends with its starter."""
+    die_with_parent()
+    lower_child_priority()
+
+
+# Run by the interpreter `background_command` starts: it is the starter's child, so what it sets up before the
+# exec holds for the command (PR_SET_PDEATHSIG survives exec; the priorities are inherited). A starter that
+# died before that is no longer its parent: then the command never runs.
+_BACKGROUND_EXEC = (
+    "import os, sys\nfrom kvstore.priority import background_child\nbackground_child()\n"
+    "if os.getppid() != int(sys.argv[1]):\n    sys.exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def background_command(argv: Sequence[str]) -> list[str]:
+    """``argv`` (its program an absolute path) as a `background_child`, started without forking the caller:
+    give it to `subprocess.Popen` with no `preexec_fn` (which then spawns with vfork). It dies with the
+    caller's thread that started it (`die_with_parent`) once it runs: keep that thread waiting on it."""
+    return [sys.executable, "-I", "-c", _BACKGROUND_EXEC, str(os.getpid()), *argv]
 
 
 def _lower(tid: int) -> list[str]:

