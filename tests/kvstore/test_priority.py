@@ -7,6 +7,7 @@ import platform
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -29,20 +30,19 @@ thread.start()
 thread.join()
 """
 
+_CAPTURE: dict[str, Any] = {"capture_output": True, "text": True, "check": True, "timeout": 30}
+
+
+def _assert_idle(done: subprocess.CompletedProcess[str]) -> None:
+    """The child and its thread reported idle CPU and I/O priority; this process kept its own."""
+    expected_io = str(_IOPRIO_CLASS_IDLE) if _IOPRIO_GET is not None else "-1"
+    assert done.stdout.split("\n")[:2] == [f"{_SCHED_IDLE} {expected_io}"] * 2
+    assert os.sched_getscheduler(0) != _SCHED_IDLE, "the starter keeps its priority"
+
 
 @pytest.mark.skipif(sys.platform != "linux", reason="SCHED_IDLE and I/O classes are Linux's")
 def test_a_child_started_with_lower_child_priority_runs_idle_and_so_do_its_threads() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", _REPORT],
-        preexec_fn=lower_child_priority,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=30,
-    ).stdout.split("\n")
-    expected_io = str(_IOPRIO_CLASS_IDLE) if _IOPRIO_GET is not None else "-1"
-    assert out[:2] == [f"{_SCHED_IDLE} {expected_io}"] * 2
-    assert os.sched_getscheduler(0) != _SCHED_IDLE, "the parent keeps its priority"
+    _assert_idle(subprocess.run([sys.executable, "-c", _REPORT], preexec_fn=lower_child_priority, **_CAPTURE))
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="SCHED_IDLE and I/O classes are Linux's")
@@ -50,17 +50,8 @@ def test_a_background_command_runs_idle_without_forking_its_starter() -> None:
     """Its starter's at-fork handlers never run: subprocess forks the caller only for a `preexec_fn`."""
     forks: list[int] = []
     os.register_at_fork(before=lambda: forks.append(1))
-    out = subprocess.run(
-        background_command([sys.executable, "-c", _REPORT]),
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=30,
-    ).stdout.split("\n")
-    expected_io = str(_IOPRIO_CLASS_IDLE) if _IOPRIO_GET is not None else "-1"
-    assert out[:2] == [f"{_SCHED_IDLE} {expected_io}"] * 2
+    _assert_idle(subprocess.run(background_command([sys.executable, "-c", _REPORT]), **_CAPTURE))
     assert forks == [], "the starter was forked"
-    assert os.sched_getscheduler(0) != _SCHED_IDLE, "the starter keeps its priority"
 
 
 # A starter that runs a sleeper in the background, says its pid once it sleeps, and waits.
