@@ -80,6 +80,7 @@ def run_tiers_bench(
             progress(f"store and cold load, {size // 1024} KiB x {chunks}, ours vs vLLM fs, {rounds} rounds")
             report.sizes.append(bench_size(size, chunks, rounds=rounds, per_job=chunks_per_job, workdir=root))
         if target is not None and target.is_s3:  # a new node's path to S3, against raw GETs
+            target.settle()
             with apart or contextlib.nullcontext((set[int](), set[int]())) as (server_cpus, _):
                 report.server_cpus = sorted(server_cpus)
                 for size in sizes:

@@ -103,6 +103,7 @@ class SeaweedServer:
         self._launched_at_byte = 0  # where the latest launch's lines begin in weed.log
         self._process: subprocess.Popen[bytes] | None = None
         self._shell: subprocess.Popen[bytes] | None = None  # a `weed shell` maintenance pass, while one runs
+        self._maintenance: threading.Thread | None = None  # the passes after the latest start
         self._started_at = 0.0  # wall-clock time of the last start
         self._log: IO[bytes] | None = None
         self.start_seconds: float | None = None  # how long the last start() took
@@ -228,7 +229,15 @@ class SeaweedServer:
                     raise
                 log.info("SeaweedFS could not bind a port chosen for it; starting again on other ports")
         self.start_seconds = time.monotonic() - began
-        threading.Thread(target=self._reclaim, name="kvstore-s3-vacuum", daemon=True).start()
+        self._maintenance = threading.Thread(target=self._reclaim, name="kvstore-s3-vacuum", daemon=True)
+        self._maintenance.start()
+
+    def wait_maintained(self, timeout_s: float) -> bool:
+        """Until the passes that follow a start are over (about 20 s after it; False if not by ``timeout_s``):
+        a benchmark times nothing while they run beside it."""
+        if self._maintenance is not None:
+            self._maintenance.join(timeout_s)
+        return self._maintenance is None or not self._maintenance.is_alive()
 
     def _launch(self, deadline: float) -> None:
         """Start weed on `self._ports` and wait until S3 serves; stopped again if it does not."""

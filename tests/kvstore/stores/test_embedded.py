@@ -374,3 +374,15 @@ def test_a_maintenance_pass_that_starts_after_stop_ends_at_once(tmp_path: Path) 
     late_pass.join(20)
     assert not late_pass.is_alive(), "the shell outlived its server"
     assert shells_in(server.data_dir) == []
+
+
+def test_a_benchmark_can_wait_for_the_maintenance_after_a_start(tmp_path: Path) -> None:
+    """The passes that follow a start (a vacuum each, the last about 20 s after it) are over when
+    `wait_maintained` says so, and not before."""
+    with SeaweedServer(tmp_path / "sw") as server:
+        assert not server.wait_maintained(0.01)
+        assert server.wait_maintained(120)
+        passes = [
+            line for line in (tmp_path / "sw" / "weed-shell.log").read_text().splitlines() if line[:2] == "# "
+        ]
+        assert len(passes) == 5 and all("volume.vacuum" in line for line in passes)
