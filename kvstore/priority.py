@@ -39,7 +39,8 @@ _IOPRIO_CLASS_SHIFT = 13
 _SYS_IOPRIO_SET_BY_MACHINE = {"x86_64": 251, "aarch64": 30}
 _SYS_IOPRIO_SET = _SYS_IOPRIO_SET_BY_MACHINE.get(platform.machine())
 # Loaded here, not in a child between fork and exec (the loader's lock may be held by a thread gone there).
-_LIBC = ctypes.CDLL(None, use_errno=True) if _SYS_IOPRIO_SET is not None else None
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+_PR_SET_PDEATHSIG = 1
 
 
 def lower_priority(*, whole_process: bool = False) -> None:
@@ -58,14 +59,12 @@ def lower_child_priority() -> None:
     _lower(0)
 
 
-def die_with_parent() -> None:
-    """In a child before exec: on Linux, SIGTERM when the thread that started it ends (with its process, or
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """In a child before exec: on Linux, ``sig`` when the thread that started it ends (with its process, or
     before), so a killed starter never leaves the child behind. Elsewhere a no-op."""
-    if sys.platform != "linux":
-        return
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if _LIBC is not None:
+        with contextlib.suppress(OSError, AttributeError):
+            _LIBC.prctl(_PR_SET_PDEATHSIG, sig)
 
 
 def background_child() -> None:
@@ -101,7 +100,7 @@ def _lower(tid: int) -> list[str]:
         failures.append(f"cannot use SCHED_IDLE ({exc}): nice 19 instead")
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, tid, 19)
-    if _LIBC is not None:
+    if _LIBC is not None and _SYS_IOPRIO_SET is not None:
         prio = _IOPRIO_CLASS_IDLE << _IOPRIO_CLASS_SHIFT
         if _LIBC.syscall(_SYS_IOPRIO_SET, _IOPRIO_WHO_PROCESS, tid, prio) != 0:
             failures.append(f"cannot use the idle I/O class: {os.strerror(ctypes.get_errno())}")

@@ -47,12 +47,11 @@ from typing import Any
 
 from kvstore.agent.uploads import wait_uploaded
 from kvstore.cache import ChangeKind, NVMeCache
-from kvstore.connector.bench.cores import server_apart
 from kvstore.connector.bench.fleet_nodes import NODES, Nodes, cpu_delta, node_cpus
 from kvstore.connector.bench.fleet_report import FleetReport, MethodResult, method_result, tier_chunks
 from kvstore.connector.bench.multiturn import Sizing, conversation_tokens
 from kvstore.connector.bench.outputs import redact_logs
-from kvstore.connector.bench.target import StoreTarget
+from kvstore.connector.bench.target import StoreTarget, cores_for
 from kvstore.connector.harness.multiturn import Workload, replay
 from kvstore.connector.harness.routed import RoutedTurn, Router, replay_routed
 from kvstore.connector.harness.router import DynamoIndexer, dynamo_indexer
@@ -117,7 +116,7 @@ def run_fleet(
         raise ValueError(f"methods {', '.join(_S3)} need a store target")
     if server_core and not pin_nodes:
         raise ValueError("a core of its own for the server needs the nodes pinned to the others")
-    apart = (store.server_apart() if store else server_apart(None)) if server_core else None
+    apart = cores_for(store, server_core)
     footprint = conversation_tokens(workload)
     report = FleetReport(
         workload=asdict(workload),
@@ -133,7 +132,7 @@ def run_fleet(
     began = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="kvstore-bench-fleet-", dir=workdir))
     try:
-        with apart or contextlib.nullcontext((set[int](), set[int]())) as (server_cpus, _):
+        with apart as (server_cpus, _):
             report.server_cpus = sorted(server_cpus)
             for method in methods:
                 run = _MethodRun(method, model_dir, workload, sizing, store, report, root / method, log_dir)

@@ -37,9 +37,8 @@ from typing import Any
 
 from kvstore.agent.supervisor import agent_status, stop_agent
 from kvstore.agent.uploads import OWN_SERVER_HOLD_S, wait_uploaded_in
-from kvstore.connector.bench.cores import server_apart
 from kvstore.connector.bench.outputs import figure, json_and_png
-from kvstore.connector.bench.target import StoreTarget
+from kvstore.connector.bench.target import StoreTarget, cores_for
 from kvstore.connector.configs import CPU_BLOCK_TOKENS, cpu_tiering_config
 from kvstore.connector.harness.multiturn import TurnRecord, Workload, replay
 from kvstore.connector.harness.s3_requests import RequestCounts
@@ -257,7 +256,7 @@ def run_multiturn(
         raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
     if store is None and any(m in S3_METHODS for m in methods):
         raise ValueError(f"methods {', '.join(S3_METHODS)} need a store target")
-    apart = (store.server_apart() if store else server_apart(None)) if server_core else None
+    apart = cores_for(store, server_core)
     report = MultiturnReport(
         workload={k: v for k, v in asdict(workload).items() if k != "conversations"},
         sizing=asdict(sizing),
@@ -271,7 +270,7 @@ def run_multiturn(
     began = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="kvstore-bench-multiturn-", dir=workdir))
     try:
-        with apart or contextlib.nullcontext((set[int](), set[int]())) as (server_cpus, engine_cpus):
+        with apart as (server_cpus, engine_cpus):
             report.server_cpus = sorted(server_cpus)
             for method in methods:
                 config, env = _method_config(method, sizing, store, root, report.tier_options)
@@ -301,10 +300,8 @@ def run_multiturn(
                             f"{method}, {n} conversations: {p.prompt_tokens_per_s:,.0f} prompt tokens/s, "
                             f"TTFT {p.ttft_mean_s:.3f} s mean"
                         )
-                if method in _OURS:
-                    stop_agent(
-                        _cache_dir(root, method)
-                    )  # the node agent the tier started outlives the server
+                if method in _OURS:  # the node agent the tier started outlives the server
+                    stop_agent(_cache_dir(root, method))
         if report.points:  # the measured footprint replaces the estimate
             _set_footprint(report, max(p.last_turn_tokens for p in report.points), sizing)
         report.elapsed_s = time.perf_counter() - began

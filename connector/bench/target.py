@@ -21,7 +21,7 @@ from kvstore.errors import ConfigError, KVStoreError
 from kvstore.storage import EMBEDDED_BUCKET, open_object_store
 from kvstore.stores.embedded import SeaweedServer
 
-__all__ = ["StoreTarget", "bench_target", "environment"]
+__all__ = ["StoreTarget", "bench_target", "cores_for", "environment"]
 
 
 @dataclass(frozen=True)
@@ -53,10 +53,6 @@ class StoreTarget:
         and, at 20 s, a core of a two-core machine): what a benchmark times in its own process comes after."""
         if self.server is not None:
             self.server.wait_maintained(timeout_s)
-
-    def server_apart(self) -> contextlib.AbstractContextManager[tuple[set[int], set[int]]]:
-        """`cores.server_apart` for this target's local server and the link before it."""
-        return server_apart(self.server_pid, [self.link_pid] if self.link_pid is not None else [])
 
     @property
     def is_s3(self) -> bool:
@@ -142,6 +138,19 @@ def bench_target(settings: Settings, name: str, link: LinkShape | None = None) -
         store.close()
         if server is not None:
             server.stop()
+
+
+def cores_for(
+    target: StoreTarget | None, server_core: bool
+) -> contextlib.AbstractContextManager[tuple[set[int], set[int]]]:
+    """`--server-core`: `cores.server_apart` for the target's local server and the link before it, yielding
+    (the server's cores, the benchmark's); without it, a block that moves nothing (two empty sets).
+    `CoresUnavailable` at once when it cannot be done."""
+    if not server_core:
+        return contextlib.nullcontext((set[int](), set[int]()))
+    if target is None:
+        return server_apart(None)
+    return server_apart(target.server_pid, [target.link_pid] if target.link_pid is not None else [])
 
 
 @contextlib.contextmanager

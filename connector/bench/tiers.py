@@ -31,9 +31,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvstore.connector.bench.cores import server_apart
 from kvstore.connector.bench.disk import DiskResult, dd_bandwidth
-from kvstore.connector.bench.target import StoreTarget
+from kvstore.connector.bench.target import StoreTarget, cores_for
 from kvstore.connector.bench.tiers_object_path import ObjectPathResult, bench_object_path
 from kvstore.connector.bench.tiers_store_load import SizeResult, bench_size
 
@@ -71,7 +70,7 @@ def run_tiers_bench(
     """`server_core`: the object path with the target's local S3 server on a core of its own
     (`CoresUnavailable` at once when that cannot be done)."""
     report = TiersReport(chunks_per_job=chunks_per_job, link=target.link if target else "")
-    apart = (target.server_apart() if target else server_apart(None)) if server_core else None
+    apart = cores_for(target, server_core)
     with _workdir(workdir) as root:
         progress("raw disk (O_DIRECT dd)")
         report.disk = dd_bandwidth(root)
@@ -81,7 +80,7 @@ def run_tiers_bench(
             report.sizes.append(bench_size(size, chunks, rounds=rounds, per_job=chunks_per_job, workdir=root))
         if target is not None and target.is_s3:  # a new node's path to S3, against raw GETs
             target.settle()
-            with apart or contextlib.nullcontext((set[int](), set[int]())) as (server_cpus, _):
+            with apart as (server_cpus, _):
                 report.server_cpus = sorted(server_cpus)
                 for size in sizes:
                     chunks = max(8, object_bytes // size)

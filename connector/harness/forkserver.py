@@ -31,13 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
+from kvstore.priority import die_with_parent
+
 __all__ = [
     "VLLM_MODULES",
     "ChildProcess",
     "ForkServer",
     "ForkedProcess",
     "active",
-    "die_with_parent",
     "forked_vllm",
 ]
 
@@ -313,17 +314,6 @@ def _exit(rc: int) -> NoReturn:
         with contextlib.suppress(BaseException):
             stream.flush()
     os._exit(rc)
-
-
-def die_with_parent(sig: int) -> None:
-    """Get ``sig`` when the parent (strictly: the thread that started this process) dies; Linux only, a no-op
-    elsewhere. Call it in the child."""
-    if sys.platform != "linux":
-        return
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
 
 
 if __name__ == "__main__":

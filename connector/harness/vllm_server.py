@@ -19,7 +19,6 @@ Inside `forkserver.forked_vllm()` (the test suite) that is a fork of a process t
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import shutil
@@ -37,9 +36,10 @@ import httpx
 
 from kvstore.connector.harness import forkserver
 from kvstore.connector.harness.engine_runner import remove_new_shm, shm_snapshot, vllm_child_env
-from kvstore.connector.harness.forkserver import ChildProcess, die_with_parent
+from kvstore.connector.harness.forkserver import ChildProcess
 from kvstore.connector.harness.metrics import metric_total, parse_metrics
 from kvstore.ports import free_port
+from kvstore.priority import die_with_parent
 
 # metric_total and parse_metrics live in harness.metrics; benchmarks import them from here too.
 __all__ = ["VLLMServer", "VLLMServerError", "metric_total", "parse_metrics", "vllm_server"]
@@ -140,7 +140,7 @@ def _start(flags: list[str], env: dict[str, str], work: Path, log_path: Path) ->
             cwd=work,
             start_new_session=True,
             # On Linux, SIGTERM when the process that started us dies: a killed benchmark leaves no server.
-            preexec_fn=functools.partial(die_with_parent, signal.SIGTERM),
+            preexec_fn=die_with_parent,
         )
 
 
