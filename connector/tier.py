@@ -136,6 +136,7 @@ class KVStoreTier(SecondaryTierManager):
             agent=opts.agent,
         )
         self._engine = self._node.engine
+        self._engine.expect_chunks(self.block_size_bytes)  # a new node's first loads land in mapped memory
         # vLLM asks about every chunk of a waiting request on every step: bound once, not per call.
         self._lookup_cached = self._engine.lookup_cached
         self._needs_probe = self._engine.needs_probe

@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvstore.cache import NVMeCache
-from kvstore.chunk import Codec
+from kvstore.chunk import Codec, stored_size
 from kvstore.engine.admission import Admission
 from kvstore.engine.answers import AnswerCache, Presence
 from kvstore.engine.bad_chunks import count_removals
@@ -53,6 +53,7 @@ from kvstore.metrics import EngineMetrics
 from kvstore.node.engines import register_engine, unregister_engine
 from kvstore.node.link import AgentLink
 from kvstore.node.watch import AgentWatch
+from kvstore.priority import lower_priority
 from kvstore.stores import ObjectStore
 
 __all__ = ["ChunkEvent", "ShutdownReport", "StoreOutcome", "TieredStore"]
@@ -123,6 +124,7 @@ class TieredStore:
             index_writes=IndexWrites(commit_timeout_s),
         )
         prefetched = PrefetchBuffer(prefetch_bytes, clock=clock)
+        self._prefetch_bytes = prefetch_bytes
         self.metrics.prefetch_bytes.set_function(lambda: float(prefetched.held_bytes))
         self.metrics.track_nvme_usage(lambda: (cache.used_bytes(), cache.budget_bytes))
         self.metrics.track_backlog(lambda: _backlog_triple(cache))
@@ -152,6 +154,30 @@ class TieredStore:
         self._closed = False
         self.threads.service("kvstore-probe", self._prober.run)
         self.threads.service("kvstore-admit", self._admission.run)
+
+    def expect_chunks(self, payload_bytes: int) -> None:
+        """vLLM's chunks carry ``payload_bytes`` of KV: map the memory of a burst of their GET bodies (the
+        prefetch budget's worth) in the background, at idle priority, so that a new node's first loads from
+        the store write into pages already there instead of faulting in each of them in vLLM's process (see
+        `kvstore.stores.buffers`). Compressed chunks vary in length, so only uncompressed ones are known."""
+        if self.store is None or self.codec is not Codec.NONE or not self._prefetch_bytes:
+            return
+        store, length = self.store, stored_size(payload_bytes)
+
+        def reserve() -> None:
+            lower_priority()
+            # A body at a time, so that closing the engine never waits on more than one.
+            for count in range(1, self._prefetch_bytes // length + 1):
+                if self._closed:
+                    return
+                try:
+                    if not store.reserve_bodies(length, count):
+                        return  # as much is free, or the pool keeps no more
+                except (OSError, ValueError) as exc:  # out of memory or address space: the loads fault then
+                    log.info("kvstore: GET bodies not reserved ahead: %s", exc)
+                    return
+
+        self.threads.service("kvstore-reserve", reserve)
 
     # ---------------------------------------------------------------- lookup
 

@@ -19,6 +19,8 @@ kvstore-probe   1                          answers the scheduler's probes (servi
 kvstore-index   1                          the engine's index writes, each waited for at most a
                                            deadline (``index_writes``: never on a hung agent)
 kvstore-admit   1                          writes object hits to NVMe at a quiet moment (service)
+kvstore-reserve 1, at start, idle priority maps the memory of a burst of GET bodies ahead of the
+                                           first loads (``TieredStore.expect_chunks``), then ends
 ==============  =========================  =====================================================
 
 The vLLM tier adds its own job threads (one for loads, one for stores) that call the engine; the engine

@@ -89,6 +89,12 @@ class ObjectStore(abc.ABC):
         copy (obstore's response body). Same semantics as `get` otherwise."""
         return self.get(key)
 
+    def reserve_bodies(self, length: int, count: int) -> int:
+        """Have memory for ``count`` GET bodies of ``length`` bytes mapped ahead of a burst of reads (a
+        new node's first loads), where this backend reads into memory of its own; slow: call it on a thread
+        of its own. Returns the bytes mapped; here none."""
+        return 0
+
     # Whether `get_each` keeps many GETs in flight on the calling thread (else callers spread `get_chunk`
     # calls over threads of their own).
     gets_many_at_once = False

@@ -5,8 +5,14 @@ a quarter of the GET's process CPU on this repository's bench machine (loopback 
 flight: 2.2 ms against 1.6-1.7 ms per GET with memory used again, research run of 2026-12-05). So a buffer's
 memory goes back to a free list when the last view of it dies (the chunk was loaded, admitted or dropped),
 and the next GET of that size class writes into pages already mapped. The free list is bounded; what does
-not fit is unmapped, and so is all of it once the pool has gone unused for a while (a burst of GETs is over:
-its memory should not stay with vLLM's process until the next one).
+not fit is unmapped.
+
+A new node's first burst would still fault in every body: its GETs hold dozens of chunks at once (prefetched,
+then waiting for their NVMe write), so `reserve` maps and populates that much ahead, in the background, at
+the tier's start (`bench tiers`' object path, 2 MiB chunks, research run of 2026-12-07: the first burst's io
+thread spent 1,540-1,770 µs of CPU per chunk, 502 page faults each, against 700-850 µs and 4 faults in the
+bursts after it). Once the pool has gone unused for a while its free memory is lazily freed (MADV_FREE): the
+kernel takes the pages when it needs memory, and until then the next burst writes into them without a fault.
 
 The memory is a private anonymous mapping: page-aligned (where O_DIRECT takes it, so admitting a fetched
 chunk to NVMe writes it as it came) and not shared with a forked child, which starts with an empty list.
@@ -23,13 +29,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["BufferPool", "aligned_buffer"]
+__all__ = ["BufferPool", "aligned_buffer", "reserve_buffers"]
 
 _PAGE = 4096  # O_DIRECT's unit, and mmap's
 _SIZE_CLASS = 64 << 10  # compressed chunks vary in length: buffers are kept by 64 KiB size class
 _MIN_POOLED = 64 << 10  # below this a page fault or two is all a fresh buffer costs
 _MAX_FREE_BYTES = 256 << 20  # free memory kept: what the prefetch buffer holds at most by default
-_IDLE_S = 30.0  # unused this long, the free memory goes: refaulting it costs ~1 ms of CPU per MiB here
+_IDLE_S = 30.0  # unused this long, the free memory is the kernel's to take (refaulting: ~1 ms of CPU a MiB)
 
 
 class BufferPool:
@@ -47,6 +53,7 @@ class BufferPool:
         self._clock = clock
         self._free: dict[int, list[mmap.mmap]] = {}  # size class -> mappings, the most recent last
         self._free_bytes = 0
+        self._lazily_freed = False  # the free memory was handed to the kernel (MADV_FREE) since its last use
         self._last_used = clock()
         self._trimmer: threading.Thread | None = None  # alive while there is free memory to watch
         # Reentrant: a buffer can die, and come back here, in a garbage collection run inside `take`.
@@ -60,9 +67,9 @@ class BufferPool:
         """A writable buffer of ``length`` bytes, its first byte on a 4 KiB boundary, contents undefined."""
         if length < _MIN_POOLED:
             return _fresh(length)
-        size = -(-length // _SIZE_CLASS) * _SIZE_CLASS
+        size = _size_class(length)
         with self._lock:
-            self._last_used = self._clock()
+            self._used()
             free = self._free.get(size)
             memory = free.pop() if free else None
             if memory is not None:
@@ -78,30 +85,65 @@ class BufferPool:
         if size > self._max_free:
             return
         with self._lock:
-            # The size in use now wins over others kept from before (another chunk size, a benchmark's
-            # previous run): a full list of those would leave every buffer of this size mapped afresh.
-            while self._free_bytes + size > self._max_free:
-                other = max(self._free, key=lambda s: len(self._free[s]) if s != size else 0)
-                if other == size or not self._free[other]:
-                    return
-                self._free[other].pop(0)  # the oldest goes
-                self._free_bytes -= other
-            self._free.setdefault(size, []).append(memory)
-            self._free_bytes += size
-            self._last_used = self._clock()
-            if self._trimmer is None:
-                self._start_trimmer()
+            self._keep(memory, size)
+
+    def _keep(self, memory: mmap.mmap, size: int) -> bool:
+        """(Under the lock.) Put ``memory`` on the free list if room can be made for it."""
+        # The size in use now wins over others kept from before (another chunk size, a benchmark's
+        # previous run): a full list of those would leave every buffer of this size mapped afresh.
+        if (len(self._free.get(size, ())) + 1) * size > self._max_free:
+            return False
+        while self._free_bytes + size > self._max_free:
+            other = max(self._free, key=lambda s: len(self._free[s]) if s != size else 0)
+            if other == size or not self._free[other]:
+                return False
+            self._free[other].pop(0)  # the oldest goes
+            self._free_bytes -= other
+        self._free.setdefault(size, []).append(memory)
+        self._free_bytes += size
+        self._used()
+        return True
+
+    def reserve(self, length: int, count: int) -> int:
+        """Map and populate buffers for ``length``-byte bodies until ``count`` of them are free (within the
+        bound on free memory, which other sizes' free buffers leave to make room), so that a burst of GETs of
+        that size writes into pages already there. Slow (the kernel zeroes every page, with the GIL
+        released): call it on a thread of its own. Returns the bytes added."""
+        if length < _MIN_POOLED:
+            return 0
+        size = _size_class(length)
+        added = 0
+        while True:
+            with self._lock:
+                if len(self._free.get(size, ())) >= count or size > self._max_free:
+                    return added
+            memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+            with self._lock:
+                if not self._keep(memory, size):
+                    return added  # the free list is this size's already, and full
+            added += size
+
+    def _used(self) -> None:
+        """(Under the lock.) The pool is in use now: its free memory is watched again for idleness."""
+        self._last_used = self._clock()
+        self._lazily_freed = False
+        if self._free_bytes and self._trimmer is None:
+            self._start_trimmer()
 
     def trim_if_idle(self) -> float | None:
-        """Unmap the free memory if the pool went unused for ``idle_s``. Returns the seconds until it would
-        be idle that long, or None when nothing is left to watch."""
+        """Hand the free memory to the kernel (MADV_FREE: it takes the pages if it needs them, else they
+        stay and are written again without a fault) if the pool went unused for ``idle_s``. Returns the
+        seconds until it would be idle that long, or None when nothing is left to watch."""
         with self._lock:
-            if not self._free_bytes:
+            if not self._free_bytes or self._lazily_freed:
                 return None
             wait = self._last_used + self._idle_s - self._clock()
             if wait > 0:
                 return wait
-            self._free, self._free_bytes = {}, 0
+            for mappings in self._free.values():
+                for memory in mappings:
+                    memory.madvise(mmap.MADV_FREE)
+            self._lazily_freed = True
             return None
 
     def _start_trimmer(self) -> None:
@@ -128,6 +170,10 @@ class BufferPool:
         self._trimmer = None
 
 
+def _size_class(length: int) -> int:
+    return -(-length // _SIZE_CLASS) * _SIZE_CLASS
+
+
 def _fresh(length: int) -> memoryview:
     block = np.empty(length + _PAGE - 1, dtype=np.uint8)  # not zeroed: the reader writes every byte
     skip = -block.ctypes.data % _PAGE
@@ -141,3 +187,8 @@ os.register_at_fork(after_in_child=_POOL.clear)
 def aligned_buffer(length: int) -> memoryview:
     """A GET body's buffer from the process's pool (see the module docstring)."""
     return _POOL.take(length)
+
+
+def reserve_buffers(length: int, count: int) -> int:
+    """`BufferPool.reserve` on the process's pool."""
+    return _POOL.reserve(length, count)

@@ -142,6 +142,10 @@ class RegionalStore(ObjectStore):
     def local(self) -> ObjectStore:
         return self._local
 
+    @override
+    def reserve_bodies(self, length: int, count: int) -> int:
+        return self._local.reserve_bodies(length, count)  # a remote region's hits are the rare case
+
     @property
     def regions(self) -> list[str]:
         """Region names, local first, in the order they are read."""

@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from kvstore.errors import BucketNotFound, ConfigError, StoreAuthError, StoreError, StoreUnavailable
 from kvstore.stores.base import Buffer, Data, ObjectInfo, ObjectStore, check_range, validate_key
+from kvstore.stores.buffers import reserve_buffers
 from kvstore.stores.s3_data import AUTH_CODES, S3DataPath
 from kvstore.stores.s3_get import GetOptions, ObjectGetter, Unsupported
 from kvstore.stores.s3_get_many import ManyGets
@@ -284,6 +285,10 @@ class S3Store(ObjectStore):
         return self._get_named(self._name(key), f"GET {key!r}")
 
     gets_many_at_once = True
+
+    @override
+    def reserve_bodies(self, length: int, count: int) -> int:
+        return reserve_buffers(length, count)  # the pool every GET body of this process comes from
 
     @override
     def get_each(

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from kvstore.access import read_access_records
 from kvstore.agent.node_agent import NodeAgent
 from kvstore.cache import NVMeCache, ReadStatus
-from kvstore.chunk import HEADER_BLOCK, Codec, encode, encode_legacy, parse_header
+from kvstore.chunk import HEADER_BLOCK, Codec, encode, encode_legacy, parse_header, stored_size
 from kvstore.engine import EngineThreads, Presence, TieredStore
 from kvstore.errors import StoreUnavailable
 from kvstore.metrics import EngineMetrics
@@ -996,3 +996,26 @@ def test_object_hits_are_not_admitted_to_a_cache_that_cannot_keep_them(
         engine.close()  # writes what its admission queued
         assert not any(cache.contains_many(remote)) and all(cache.contains_many(local))
         assert sample(metrics, "kvstore:admissions_skipped_total") == 2
+
+
+def _free_buffers(length: int) -> int:
+    """Free buffers of the process's GET-body pool that a ``length``-byte body would be given."""
+    from kvstore.stores import buffers
+
+    return len(buffers._POOL._free.get(buffers._size_class(length), ()))
+
+
+def test_a_new_node_maps_a_burst_of_get_bodies_before_its_first_load(
+    s3_store: S3Store, cache: NVMeCache, metrics: EngineMetrics, make_engine: MakeEngine
+) -> None:
+    payload_bytes = (1 << 20) + 300 * 1024  # a size no other test's bodies have
+    body = stored_size(payload_bytes)
+    engine = make_engine(s3_store, cache, metrics, prefetch_bytes=4 * body)
+    engine.expect_chunks(payload_bytes)
+    wait_for(lambda: _free_buffers(body) >= 4, what="four bodies' memory mapped")
+    # Compressed chunks vary in length, and a store whose reads use no pooled buffers needs none.
+    other = (1 << 20) + 700 * 1024
+    make_engine(s3_store, cache, EngineMetrics(CollectorRegistry()), codec=Codec.ZSTD).expect_chunks(other)
+    make_engine(MemoryStore(), cache, EngineMetrics(CollectorRegistry())).expect_chunks(other)
+    time.sleep(0.5)
+    assert _free_buffers(stored_size(other)) == 0
