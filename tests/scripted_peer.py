@@ -7,16 +7,26 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
+import time
 
 from kvstore.stores.s3_get import GetOptions, ObjectGetter
 
 
 class Staged:
-    """A reply in two parts: its first ``first`` bytes at once, the rest once ``gate`` is set (or in 10 s)."""
+    """A reply in two parts: its first ``first`` bytes at once, the rest once ``gate`` is set (or in 10 s), in
+    ``pieces`` sends ``pause_s`` apart."""
 
-    def __init__(self, reply: bytes, first: int) -> None:
+    def __init__(self, reply: bytes, first: int, *, pieces: int = 1, pause_s: float = 0.0) -> None:
         self.first, self.rest = reply[:first], reply[first:]
         self.gate = threading.Event()
+        self.pieces, self.pause_s = pieces, pause_s
+
+    def send_rest(self, conn: socket.socket) -> None:
+        size = -(-len(self.rest) // self.pieces)
+        for at in range(0, len(self.rest), size):
+            if at:
+                time.sleep(self.pause_s)
+            conn.sendall(self.rest[at : at + size])
 
 
 class ScriptedPeer:
@@ -66,9 +76,10 @@ class ScriptedPeer:
                     if isinstance(reply, Staged):
                         conn.sendall(reply.first)
                         reply.gate.wait(10)
-                        reply = reply.rest
-                    conn.sendall(reply)
-                    if b"Connection: close" in reply:
+                        reply.send_rest(conn)
+                    else:
+                        conn.sendall(reply)
+                    if b"Connection: close" in (reply.first if isinstance(reply, Staged) else reply):
                         break
 
     def close(self) -> None:

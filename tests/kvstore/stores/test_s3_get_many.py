@@ -162,6 +162,71 @@ def test_a_found_object_is_said_when_its_head_comes_before_its_body(scripted: Sc
     assert fell_back == []
 
 
+def _staged(body: bytes) -> Staged:
+    """``body``'s answer: the head and 10 bytes of it at once, the rest in four sends 20 ms apart once the
+    client said it found the object."""
+    return Staged(ok(body), first=len(ok(body)) - len(body) + 10, pieces=4, pause_s=0.02)
+
+
+def _wake_marks(many: ManyGets, staged: list[Staged]) -> tuple[list[int], list[bytes | None]]:
+    """GET the ``staged`` answers, then a small object, one at a time over one connection: the socket's
+    receive low-water mark while each body was coming, and the answers."""
+    marks: list[int] = []
+    answers: list[bytes | None] = []
+
+    def found(i: int) -> None:
+        (sock,) = many.getter._open
+        marks.append(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT))
+        staged[i].gate.set()
+
+    todo = iter(enumerate([f"body{i}" for i in range(len(staged))] + ["small"]))
+    many.get_each(
+        lambda: next(todo, None),
+        lambda _i, blob: answers.append(None if blob is None else bytes(blob)),
+        at_once=1,
+        on_found=found,
+    )
+    return marks, answers
+
+
+BODIES = [os.urandom((1 << 20) + 7), os.urandom(100_000)]
+
+
+def test_a_body_wakes_the_loop_in_large_pieces_and_at_its_last_bytes(scripted: Scripted) -> None:
+    """While a body comes the socket reports ready only once 512 KiB more of it are in, or all it still owes
+    (2-3 reads for 2 MiB, not 10-16); never more than it owes, or its last bytes would never wake the loop;
+    back at one byte for the next answer's head, or that would wait for its deadline."""
+    staged = [_staged(body) for body in BODIES]
+    many, _, fell_back = scripted([*staged, ok(b"small")])
+    marks, answers = _wake_marks(many, staged)
+    assert answers == [*BODIES, b"small"]
+    assert marks[0] == 512 << 10 and marks[1] in (len(BODIES[1]) - 10, len(BODIES[1]))  # (10 bytes came)
+    (idle,) = many._idle
+    assert idle.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+    assert fell_back == []
+
+
+def test_over_tls_the_mark_leaves_room_for_a_record_openssl_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _make_certificates(tmp_path)
+    serving = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    serving.load_cert_chain(tmp_path / "weed.crt", tmp_path / "weed.key")
+    staged = [_staged(body) for body in BODIES]
+    server = ScriptedPeer([*staged, ok(b"small")], tls=serving)
+    getter = signing_getter(server.endpoint, OPTIONS)
+    monkeypatch.setattr(getter, "_tls_context", ssl.create_default_context(cafile=tmp_path / "ca.crt"))
+    try:
+        many = ManyGets(getter, lambda name: pytest.fail(f"{name} asked of the fallback"))
+        marks, answers = _wake_marks(many, staged)
+        assert answers == [*BODIES, b"small"]
+        owed = (len(BODIES[1]) - 10, len(BODIES[1]))
+        assert marks[0] == 512 << 10 and marks[1] in tuple(n - (17 << 10) for n in owed)
+    finally:
+        getter.close()
+        server.close()
+
+
 def test_an_idle_connection_the_server_closed_is_opened_again_not_asked_of_the_fallback(
     scripted: Scripted,
 ) -> None:
