@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import threading
+import time
 
 from kvstore.errors import StoreError
 from kvstore.hashing import DEFAULT_HASH_ALGO, SUPPORTED_HASH_ALGOS, none_hash, resolve_seed
@@ -25,7 +26,11 @@ __all__ = ["engine_scheme", "publish_namespace", "wait_for_engine_scheme"]
 
 log = logging.getLogger(__name__)
 
+# NONE_HASH is looked for at once, then after 20 ms, 40 ms... at most a second apart: an engine sets it
+# within the first waits, and a tier built outside one (tools, tests, benchmarks), which never sees it, would
+# otherwise wake 50 times a second for two minutes beside the loads it serves.
 _POLL_S = 0.02
+_POLL_MAX_S = 1.0
 # vLLM sets NONE_HASH just after building the scheduler (and the tier); a tier built elsewhere never sees it.
 _NONE_HASH_WAIT_S = 120.0
 
@@ -53,12 +58,14 @@ def engine_scheme() -> tuple[KeyScheme, bool]:
 
 def wait_for_engine_scheme(timeout_s: float, stop: threading.Event) -> tuple[KeyScheme, bool]:
     """`engine_scheme()` once vLLM has set `NONE_HASH` (at most `timeout_s`, or until `stop` is set)."""
-    deadline = timeout_s
+    deadline = time.monotonic() + timeout_s
+    wait = _POLL_S
     while True:
         scheme, from_engine = engine_scheme()
-        if from_engine or deadline <= 0 or stop.wait(_POLL_S):
+        left = deadline - time.monotonic()
+        if from_engine or left <= 0 or stop.wait(min(wait, left)):
             return scheme, from_engine
-        deadline -= _POLL_S
+        wait = min(2 * wait, _POLL_MAX_S)
 
 
 def publish_namespace(store: ObjectStore, namespace: Namespace, stop: threading.Event) -> KeyScheme | None:
