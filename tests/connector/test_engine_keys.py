@@ -45,8 +45,9 @@ def test_an_engine_setting_it_is_seen_within_the_first_waits(monkeypatch: pytest
     assert time.monotonic() - started < 5  # two short waits, not the timeout (a bound, not a timing)
 
 
-def test_stop_ends_the_wait() -> None:
-    engine_keys.engine_scheme()  # vLLM imported before the clock starts
+def test_stop_ends_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (An engine started earlier in this process may have set NONE_HASH: the wait must not find it.)
+    monkeypatch.setattr(engine_keys, "engine_scheme", lambda: (scheme_for(DEFAULT_HASH_ALGO), False))
     stop = threading.Event()
     threading.Timer(0.1, stop.set).start()
     started = time.monotonic()
