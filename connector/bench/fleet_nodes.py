@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstore.agent.supervisor import LOG_NAME, agent_status, stop_agent
+from kvstore.agent.supervisor import LOG_NAME, agent_status, stop_agent, wait_agent_up
 from kvstore.connector.bench.multiturn import Sizing
 from kvstore.connector.bench.target import StoreTarget
 from kvstore.connector.configs import CPU_BLOCK_TOKENS
@@ -25,6 +25,7 @@ from kvstore.ports import free_port
 __all__ = ["NODES", "Accounts", "Nodes", "cpu_delta", "node_cpus"]
 
 NODES = 2
+_AGENT_START_S = 60.0
 
 
 def node_cpus(*, spare_last: bool = False) -> list[list[int]]:
@@ -164,6 +165,10 @@ class Nodes:
             groups["indexer"] = indexer.process.pid
         if self.ours:
             for node, directory in enumerate(self.cache_dirs):
+                # Each tier starts its node's agent as its engine comes up: on a busy machine it may still be
+                # importing when the engines answer, and an agent not running yet would go uncounted.
+                if not wait_agent_up(directory, timeout_s=_AGENT_START_S):
+                    raise RuntimeError(f"node{node}'s agent did not start within {_AGENT_START_S:.0f} s")
                 pid = agent_status(directory).pid
                 if pid is not None:
                     pids[f"node{node} agent"] = pid
