@@ -74,12 +74,14 @@ class ScriptedPeer:
                     if reply is None:
                         break
                     if isinstance(reply, Staged):
-                        conn.sendall(reply.first)
+                        head = reply.first
+                        conn.sendall(head)
                         reply.gate.wait(10)
                         reply.send_rest(conn)
                     else:
+                        head = reply
                         conn.sendall(reply)
-                    if b"Connection: close" in (reply.first if isinstance(reply, Staged) else reply):
+                    if b"Connection: close" in head:
                         break
 
     def close(self) -> None:
