@@ -34,7 +34,7 @@ back at one byte before the connection waits for its next answer's head.
 from __future__ import annotations
 
 import os
-import selectors
+import select
 import socket
 import ssl
 import threading
@@ -131,7 +131,7 @@ class _Connection(Generic[_T]):
 
     def open_further(self, getter: ObjectGetter) -> int:
         """The next step of opening this connection, its socket ready for it; then the selector events it
-        waits for (EVENT_READ for the answer once its request is sent). `_Failed` if it cannot open."""
+        waits for (EPOLLIN for the answer once its request is sent). `_Failed` if it cannot open."""
         try:
             if self.stage == _CONNECTING:
                 assert self.address is not None
@@ -142,14 +142,14 @@ class _Connection(Generic[_T]):
                 try:
                     self.sock.do_handshake()
                 except ssl.SSLWantReadError:
-                    return selectors.EVENT_READ
+                    return select.EPOLLIN
                 except ssl.SSLWantWriteError:
-                    return selectors.EVENT_WRITE
+                    return select.EPOLLOUT
                 self.stage = _ANSWERING
         except OSError:  # refused, reset, TLS refused (the blocking client says which)
             raise _Failed(before_answer=True) from None
         self.send(self.tag, self.name, self.request, self.deadline)
-        return selectors.EVENT_READ
+        return select.EPOLLIN
 
     def read(self, getter: ObjectGetter) -> bool:
         """Read what has arrived; True once the whole answer is in."""
@@ -299,14 +299,17 @@ class _Round(Generic[_T]):
         on_object: Callable[[_T, Buffer | None], None],
         on_found: Callable[[_T], None] | None = None,
     ) -> None:
-        self.busy: set[_Connection[_T]] = set()
+        # In the order their GETs were sent, each due the same attempt time after: the first is due first.
+        self.busy: dict[_Connection[_T], None] = {}
+        self._opening: set[_Connection[_T]] = set()  # those of them still being opened
+        self._watched: dict[int, _Connection[_T]] = {}  # by file descriptor, what the epoll reports
+        self._epoll = select.epoll()
         self._on_found = on_found
         self._getter = owner.getter
         self._fallback = owner.fallback
         self._owner = owner
         self._on_object = on_object
         self._attempt = self._getter.options.attempt_timeout
-        self._selector = selectors.DefaultSelector()
 
     def __enter__(self) -> _Round[_T]:
         return self
@@ -314,7 +317,7 @@ class _Round(Generic[_T]):
     def __exit__(self, *exc: object) -> None:
         for conn in self.busy:  # mid-answer: no later request could be read on them
             conn.sock.close()
-        self._selector.close()
+        self._epoll.close()
 
     def start(self, tag: _T, name: str, *, fresh: bool = False) -> None:
         """Send the GET of ``name`` on an idle connection (unless ``fresh``), else on a new one once it is
@@ -323,25 +326,33 @@ class _Round(Generic[_T]):
         if conn is None:
             self._on_object(tag, self._fallback(name))
             return
-        self.busy.add(conn)
-        waits_for = selectors.EVENT_WRITE if conn.stage == _CONNECTING else selectors.EVENT_READ
-        self._selector.register(conn.sock, waits_for, conn)
+        self.busy[conn] = None
+        if conn.stage == _CONNECTING:
+            self._opening.add(conn)
+            self._watch(conn, select.EPOLLOUT)
+        else:
+            self._watch(conn, select.EPOLLIN)
 
     def wait(self) -> None:
         """Until something arrived or a GET's deadline passed (`StoreUnavailable`); what completed goes to
         ``on_object``, and so does the blocking client's answer for a connection that took too long to open
         (its address may be unreachable where the endpoint's next one is not)."""
         now = time.monotonic()
-        for slow in [c for c in self.busy if c.stage != _ANSWERING and c.opening_until <= now]:
-            self._give_up_opening(slow)
+        if self._opening:
+            for slow in [c for c in self._opening if c.opening_until <= now]:
+                self._give_up_opening(slow)
         if not self.busy:
             return
-        late = min(self.busy, key=lambda conn: conn.deadline)
-        if late.deadline <= now:
-            raise StoreUnavailable(f"{self._getter.describe(f'GET {late.name!r}')}: no answer in time")
-        until = min(c.deadline if c.stage == _ANSWERING else c.opening_until for c in self.busy)
-        for ready, _ in self._selector.select(until - now):
-            conn: _Connection[_T] = ready.data
+        first = next(iter(self.busy))
+        if first.deadline <= now:
+            raise StoreUnavailable(f"{self._getter.describe(f'GET {first.name!r}')}: no answer in time")
+        until = first.deadline
+        if self._opening:
+            until = min(until, min(c.opening_until for c in self._opening))
+        for fd, _ in self._epoll.poll(until - now):
+            conn = self._watched.get(fd)  # (each descriptor comes once a poll: None is only defensive)
+            if conn is None:
+                continue
             if conn.stage != _ANSWERING:
                 self._open_further(conn)
                 continue
@@ -364,15 +375,17 @@ class _Round(Generic[_T]):
 
     def _open_further(self, conn: _Connection[_T]) -> None:
         """A connection being opened is ready for its next step (registered anew: TLS changes its socket)."""
-        self._selector.unregister(conn.sock)
+        self._unwatch(conn)
         try:
             waits_for = conn.open_further(self._getter)
         except _Failed:
-            self.busy.discard(conn)
+            self._forget(conn)
             conn.sock.close()
             self._on_object(conn.tag, self._fallback(conn.name))
             return
-        self._selector.register(conn.sock, waits_for, conn)
+        if conn.stage == _ANSWERING:
+            self._opening.discard(conn)
+        self._watch(conn, waits_for)
 
     def _give_up_opening(self, conn: _Connection[_T]) -> None:
         self._end(conn, keep=False)
@@ -381,13 +394,27 @@ class _Round(Generic[_T]):
         self._on_object(conn.tag, self._fallback(conn.name))
 
     def _end(self, conn: _Connection[_T], *, keep: bool) -> None:
-        self._selector.unregister(conn.sock)
-        self.busy.discard(conn)
+        self._unwatch(conn)
+        self._forget(conn)
         if keep:
             conn.reused, conn.body = True, None
             self._owner.keep(conn)
         else:
             conn.sock.close()
+
+    def _watch(self, conn: _Connection[_T], events: int) -> None:
+        fd = conn.sock.fileno()
+        self._watched[fd] = conn
+        self._epoll.register(fd, events)
+
+    def _unwatch(self, conn: _Connection[_T]) -> None:
+        fd = conn.sock.fileno()
+        self._epoll.unregister(fd)
+        del self._watched[fd]
+
+    def _forget(self, conn: _Connection[_T]) -> None:
+        self.busy.pop(conn, None)
+        self._opening.discard(conn)
 
     def _connection(self, tag: _T, name: str, *, fresh: bool) -> _Connection[_T] | None:
         """An idle connection with the GET of ``name`` sent, else a new one being opened that sends it once
