@@ -23,22 +23,23 @@ from kvstore.engine.timeline import ADMITTED, Timeline
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.005
-
 
 class Admission:
     def __init__(
         self,
         write: Callable[[list[Fetched]], object],
         busy: Callable[[], bool],
+        started: Callable[[], int],
         *,
         budget_bytes: int = 256 << 20,
         quiet_s: float = 0.05,
         max_delay_s: float = 10.0,
     ) -> None:
-        """``write`` puts a batch on NVMe; ``busy`` says whether foreground work (loads, probes) runs now."""
+        """``write`` puts a batch on NVMe; ``busy`` says whether foreground work (loads, probes) runs now,
+        ``started`` how many pieces of it have begun so far (a count that only grows)."""
         self._write = write
         self._busy = busy
+        self._started = started
         self._budget = budget_bytes
         self._quiet = quiet_s
         self._max_delay = max_delay_s
@@ -100,17 +101,18 @@ class Admission:
         self._batches.put(None)
 
     def _wait_quiet(self) -> None:
-        """Until the foreground has been idle for ``quiet_s``, ``max_delay_s`` passed, or closing."""
+        """Until the foreground has been idle for ``quiet_s``, ``max_delay_s`` passed, or closing.
+
+        Looked at once every ``quiet_s``, not polled: idle then, nothing begun since and idle now is idle
+        throughout. (Polled every 5 ms, its wake-ups in vLLM's process cost 13-27 µs of CPU per 2 MiB chunk
+        loaded, taking the GIL from the loads it waits for.)"""
         deadline = time.monotonic() + self._max_delay
-        quiet_since: float | None = None
         while not self._closing.is_set():
-            now = time.monotonic()
-            if self._busy():
-                quiet_since = None
-            elif quiet_since is None:
-                quiet_since = now
-            elif now - quiet_since >= self._quiet:
+            started = self._started()
+            idle = not self._busy()
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return
-            if now >= deadline:
+            self._closing.wait(min(self._quiet, left))
+            if idle and not self._busy() and self._started() == started:
                 return
-            self._closing.wait(_POLL_S)

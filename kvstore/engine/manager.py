@@ -136,6 +136,7 @@ class TieredStore:
         self._admission = Admission(
             self._writer.admit_fetched,
             busy=lambda: self._reader.busy or self._prober.in_flight > 0,
+            started=lambda: self._reader.started + self._prober.batches_asked,
             budget_bytes=max(prefetch_bytes, 64 << 20),
         )
         self._reader = Reader(

@@ -53,6 +53,7 @@ class Prober:
         self._asked: dict[str, float] = {}  # keys handed to the probe and not answered yet
         self._requests: queue.SimpleQueue[list[list[str]]] = queue.SimpleQueue()
         self._probing: set[str] = set()  # keys the probe is answering now (the index, or GETs in flight)
+        self.batches_asked = 0  # batches of chains queued so far
         self._node_only: set[str] = set()  # keys asked of this node alone (answered by the index)
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -84,6 +85,7 @@ class Prober:
             elif self._node_only:  # only this thread adds to it: empty now, nothing to take back
                 with self._lock:
                     self._node_only.difference_update(keys)
+            self.batches_asked += 1
             self._requests.put(lists)
 
     @property

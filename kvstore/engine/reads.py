@@ -45,6 +45,7 @@ class Reader:
         self._admit = admit
         self._admitting = admitting
         self._running = 0
+        self.started = 0  # loads begun so far
         self._lock = threading.Lock()
 
     @property
@@ -58,6 +59,7 @@ class Reader:
         missing, so lookups stop promising them."""
         with self._lock:
             self._running += 1
+            self.started += 1
         try:
             return self._load(items)
         finally:

@@ -16,10 +16,12 @@ SIZE = 1000
 
 
 class Foreground:
-    """What the admission asks about: busy until told otherwise; and the batches it wrote."""
+    """What the admission asks about: busy until told otherwise, the pieces of work begun; and the batches
+    it wrote."""
 
     def __init__(self) -> None:
         self.busy = True
+        self.started = 0
         self.written: list[list[str]] = []
 
     def write(self, batch: list[Fetched]) -> None:
@@ -36,6 +38,7 @@ def admitting(foreground: Foreground, *, budget_chunks: int, max_delay_s: float 
     admission = Admission(
         foreground.write,
         lambda: foreground.busy,
+        lambda: foreground.started,
         budget_bytes=budget_chunks * SIZE,
         quiet_s=0.05,
         max_delay_s=max_delay_s,
@@ -63,6 +66,18 @@ def test_hits_wait_while_the_foreground_is_busy_and_go_once_it_is_quiet() -> Non
         foreground.busy = False
         wait_for(lambda: foreground.written == [["a", "b"]], what="the write once the foreground is quiet")
         assert admission.held("a") is None
+
+
+def test_loads_that_begin_and_end_between_two_looks_keep_it_from_being_quiet() -> None:
+    foreground = Foreground()
+    foreground.busy = False  # never busy when looked at: each load is over within milliseconds
+    with admitting(foreground, budget_chunks=10) as admission:
+        admission.offer([hit("a")])
+        for _ in range(30):  # 0.3 s, six times the quiet the write waits for
+            foreground.started += 1
+            time.sleep(0.01)
+        assert foreground.written == []
+        wait_for(lambda: foreground.written == [["a"]], what="the write once nothing begins any more")
 
 
 def test_a_foreground_that_stays_busy_delays_the_write_by_max_delay_s_at_most() -> None:
