@@ -130,7 +130,7 @@ class _Connection(Generic[_T]):
             raise _Failed(before_answer=False)  # part of a request is on the wire: the connection is spoilt
 
     def open_further(self, getter: ObjectGetter) -> int:
-        """The next step of opening this connection, its socket ready for it; then the selector events it
+        """The next step of opening this connection, its socket ready for it; then the epoll events it
         waits for (EPOLLIN for the answer once its request is sent). `_Failed` if it cannot open."""
         try:
             if self.stage == _CONNECTING:
