@@ -338,17 +338,14 @@ class _Round(Generic[_T]):
         ``on_object``, and so does the blocking client's answer for a connection that took too long to open
         (its address may be unreachable where the endpoint's next one is not)."""
         now = time.monotonic()
-        if self._opening:
-            for slow in [c for c in self._opening if c.opening_until <= now]:
-                self._give_up_opening(slow)
+        for slow in [c for c in self._opening if c.opening_until <= now]:
+            self._give_up_opening(slow)
         if not self.busy:
             return
         first = next(iter(self.busy))
         if first.deadline <= now:
             raise StoreUnavailable(f"{self._getter.describe(f'GET {first.name!r}')}: no answer in time")
-        until = first.deadline
-        if self._opening:
-            until = min(until, min(c.opening_until for c in self._opening))
+        until = min([first.deadline, *(c.opening_until for c in self._opening)])
         for fd, _ in self._epoll.poll(until - now):
             conn = self._watched.get(fd)  # (each descriptor comes once a poll: None is only defensive)
             if conn is None:
