@@ -7,12 +7,13 @@ import os
 import threading
 import traceback
 import uuid
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
 
 from kvstore.errors import BucketNotFound, ConfigError, StoreAuthError, StoreUnavailable
-from kvstore.stores import S3Store, open_store
+from kvstore.stores import S3Options, S3Store, open_store
 
 if TYPE_CHECKING:  # the root conftest is not importable by name under every pytest import mode
     from conftest import S3Server
@@ -20,7 +21,16 @@ if TYPE_CHECKING:  # the root conftest is not importable by name under every pyt
 pytestmark = pytest.mark.integration
 
 
-def test_concurrent_writers_of_same_key(s3_store: S3Store) -> None:
+@pytest.fixture
+def racer(s3_server: S3Server, s3_store: S3Store) -> Iterator[S3Store]:
+    """`s3_store`'s bucket and prefix, patiently: SeaweedFS answers racing create-only PUTs about a second
+    apart (six took 1-3 s here, alone), and under CI's load one once ran past the default 4 s attempt."""
+    patient = S3Options(read_timeout=30.0, deadline=60.0, retries=0)
+    with s3_server.store(s3_store.bucket, s3_store.prefix, options=patient) as store:
+        yield store
+
+
+def test_concurrent_writers_of_same_key(racer: S3Store, s3_store: S3Store) -> None:
     payload = os.urandom(3 * 1024 * 1024)
     barrier = threading.Barrier(8)
     created: list[bool] = []
@@ -30,9 +40,9 @@ def test_concurrent_writers_of_same_key(s3_store: S3Store) -> None:
         try:
             barrier.wait()
             if index % 2:
-                created.append(s3_store.put_if_absent("same/key", payload))
+                created.append(racer.put_if_absent("same/key", payload))
             else:
-                s3_store.put("same/key", payload)
+                racer.put("same/key", payload)
         except BaseException as exc:
             errors.append(exc)
 
@@ -48,19 +58,24 @@ def test_concurrent_writers_of_same_key(s3_store: S3Store) -> None:
     assert created.count(True) <= 1
 
 
-def test_put_if_absent_race_has_one_winner(s3_store: S3Store) -> None:
+def test_put_if_absent_race_has_one_winner(racer: S3Store, s3_store: S3Store) -> None:
     barrier = threading.Barrier(6)
     results: list[bool] = []
+    errors: list[BaseException] = []
 
     def writer(index: int) -> None:
-        barrier.wait()
-        results.append(s3_store.put_if_absent("race", f"writer-{index}".encode()))
+        try:
+            barrier.wait()
+            results.append(racer.put_if_absent("race", f"writer-{index}".encode()))
+        except BaseException as exc:
+            errors.append(exc)
 
     threads = [threading.Thread(target=writer, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    assert errors == []
     assert results.count(True) == 1
     assert s3_store.get("race") in {f"writer-{i}".encode() for i in range(6)}
 
