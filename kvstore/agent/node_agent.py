@@ -193,7 +193,7 @@ class NodeAgent:
         self._inbox = HintInbox(self.cache.directory)
         work = _Work(
             inbox=self._inbox,
-            evictor=Evictor(self.cache, self.metrics),
+            evictor=Evictor(self.cache, self.metrics, uploading=self.store is not None),
             counters=NodeCounters(
                 self.metrics, self.cache.add_counters if self._publish_counters else _ignore
             ),

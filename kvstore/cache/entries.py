@@ -51,13 +51,20 @@ def admit(
 
 
 def evict(
-    txn: Txn, s: Shared, target_used: int, max_victims: int | None, live: Liveness, lost: journal.Lost
+    txn: Txn,
+    s: Shared,
+    target_used: int,
+    max_victims: int | None,
+    live: Liveness,
+    lost: journal.Lost,
+    keep_pending: bool = False,
 ) -> Eviction:
-    """Evict least recently used entries until usage is at most ``target_used`` or ``max_victims`` went."""
+    """Evict least recently used entries until usage is at most ``target_used`` or ``max_victims`` went
+    (with ``keep_pending``, none that still waits for upload: usage may stay above the target)."""
     used, count = counters(txn, s)
     if used <= target_used:
         return Eviction()
-    victims = lru.pick_victims(txn, s, used - target_used, max_victims)
+    victims = lru.pick_victims(txn, s, used - target_used, max_victims, keep_pending=keep_pending)
     uploading = _drop_all(txn, s, victims, live, lost)
     freed = sum(ve.size for _, ve in victims)
     set_counters(txn, s, max(0, used - freed), max(0, count - len(victims)))

@@ -194,16 +194,18 @@ class CacheIndex:
         return admissions
 
     @translate
-    def evict(self, target_used: int, max_victims: int | None = None) -> Eviction:
+    def evict(
+        self, target_used: int, max_victims: int | None = None, *, keep_pending: bool = False
+    ) -> Eviction:
         """In ONE write transaction: evict least recently used entries (uploaded ones first, as admissions
-        do) until usage is at most ``target_used``, or ``max_victims`` went; pinned entries are never taken.
-        The node agent calls this to keep usage below the budget, so admissions on the data path rarely
-        evict."""
+        do) until usage is at most ``target_used``, or ``max_victims`` went; pinned entries are never taken,
+        nor, with ``keep_pending``, those still waiting for upload. The node agent calls this to keep usage
+        below the budget, so admissions on the data path rarely evict."""
         s = self._db()
         live, lost = Liveness(clock_ns()), collections.Counter[str]()
         with s.env.begin(write=True) as txn:
             self._forget_unlinked(txn, s)
-            eviction = entries.evict(txn, s, target_used, max_victims, live, lost)
+            eviction = entries.evict(txn, s, target_used, max_victims, live, lost, keep_pending)
             self._log_dropped(txn, s, ChangeKind.EVICTED, eviction.victims)
         self._add_lost(lost)
         return eviction

@@ -51,10 +51,13 @@ def drop(txn: Txn, s: Shared, k: bytes, entry: Entry) -> None:
     txn.delete(lru_key(entry.last_access_ns, k), db=s.lru)
 
 
-def pick_victims(txn: Txn, s: Shared, need: int, limit: int | None = None) -> list[tuple[bytes, Entry]]:
+def pick_victims(
+    txn: Txn, s: Shared, need: int, limit: int | None = None, *, keep_pending: bool = False
+) -> list[tuple[bytes, Entry]]:
     """Entries whose sizes add up to ``need`` (or ``limit`` of them), least recently used first, but an entry
     still waiting for upload (its only copy) is passed over for an uploaded one within the next
-    ``UPLOAD_LOOKAHEAD`` records; past that, it goes too."""
+    ``UPLOAD_LOOKAHEAD`` records; past that, it goes too. With ``keep_pending`` it never goes (the victims
+    may then add up to less than ``need``), and the scan ends at the lookahead's bound."""
     victims: list[tuple[bytes, Entry]] = []
     passed_over: list[tuple[bytes, Entry]] = []
     stale: list[bytes] = []
@@ -66,15 +69,18 @@ def pick_victims(txn: Txn, s: Shared, need: int, limit: int | None = None) -> li
         if entry is None or entry.last_access_ns != _TS.unpack(lk[:8])[0] or txn.get(vk, db=s.pins):
             stale.append(lk)  # self-healing: a record that no longer matches an evictable entry
             continue
-        if entry.pending_upload and len(passed_over) < UPLOAD_LOOKAHEAD:
-            passed_over.append((vk, entry))
-            continue
+        if entry.pending_upload:
+            if len(passed_over) < UPLOAD_LOOKAHEAD:
+                passed_over.append((vk, entry))
+                continue
+            if keep_pending:
+                break
         victims.append((vk, entry))
         freed += entry.size
         if freed >= need or len(victims) == limit:
             break
     for vk, entry in passed_over:  # not enough without them: the oldest of them go after all
-        if freed >= need or len(victims) == limit:
+        if keep_pending or freed >= need or len(victims) == limit:
             break
         victims.append((vk, entry))
         freed += entry.size

@@ -212,12 +212,13 @@ class NVMeCache:
         room; ``written_bytes``: files written and not yet committed."""
         return self._room.effective_budget(written_bytes)
 
-    def evict(self, target_bytes: int) -> list[str]:
-        """Evict least recently used chunks (uploaded ones first; never pinned ones) until the cache holds at
-        most ``target_bytes``; the keys evicted. The node agent's job; also the way out of a full disk.
-        CacheError when the disk is so full that not even the ballast's room lets the index commit."""
+    def evict(self, target_bytes: int, *, keep_pending: bool = False) -> list[str]:
+        """Evict least recently used chunks (uploaded ones first; never pinned ones, nor, with
+        ``keep_pending``, ones still waiting for upload) until the cache holds at most ``target_bytes``; the
+        keys evicted. The node agent's job; also the way out of a full disk. CacheError when the disk is so
+        full that not even the ballast's room lets the index commit."""
         self.flush()  # the touches buffered here count: what was just used stays
-        eviction = self._room.evict(target_bytes)
+        eviction = self._room.evict(target_bytes, keep_pending)
         self._unlink(eviction.victims)
         self._count_evicted(len(eviction.victims))
         self._room.keep_ballast()

@@ -41,18 +41,18 @@ class Room:
         room = self._index.used_bytes() + written_bytes + free - min(_RESERVE_MAX_BYTES, total // 50)
         return max(0, min(self._budget, room))
 
-    def evict(self, target_bytes: int) -> Eviction:
+    def evict(self, target_bytes: int, keep_pending: bool = False) -> Eviction:
         """The index's eviction down to ``target_bytes``, through a full disk if need be (see the module
         docstring); CacheError when not even the ballast's room lets the index commit."""
         try:
-            return self._index.evict(max(0, target_bytes))
+            return self._index.evict(max(0, target_bytes), keep_pending=keep_pending)
         except CacheError as exc:
             # LMDB reports a short write (a full disk) as EIO, not only ENOSPC.
             if not (isinstance(exc, CacheFull) or self.space()[0] < _FULL_DISK_BYTES):
                 raise
             if not self._ballast.release():
                 raise
-            return self._index.evict(max(0, target_bytes), _FULL_DISK_VICTIMS)
+            return self._index.evict(max(0, target_bytes), _FULL_DISK_VICTIMS, keep_pending=keep_pending)
 
     def keep_ballast(self) -> None:
         """Release the ballast on a disk too full to write a page, put it back once there is room."""

@@ -59,6 +59,8 @@ def test_evict_takes_uploaded_chunks_before_those_waiting_for_upload(cache_dir: 
         assert cache.evict(3 * U) == [k(2), k(3)], "uploaded ones first, though younger"
         assert cache.take_removals().lost_uploads == {}
         assert cache.backlog().chunks == 3
+        assert cache.evict(U, keep_pending=True) == [], "nothing uploaded is left, and the rest is kept"
+        assert cache.take_removals().lost_uploads == {}
         # Nothing uploaded is left: the oldest waiting ones go, and are counted lost.
         assert cache.evict(U) == [k(0), k(1)]
         assert cache.take_removals().lost_uploads == {"evicted": 2}
