@@ -610,7 +610,10 @@ def test_store_url_list_as_a_tier_option_reads_a_remote_region(
         here = f"s3://{s3_store.bucket}/{s3_store.prefix}"  # type: ignore[attr-defined]
         regions = json.dumps([here, {"url": f"s3://{far}", "name": "eu"}])  # JSON text, as vLLM passes it
         reader = standalone_tier(
-            {**options(s3_store, tmp_path / "reader"), "store_url": regions}, chunk_bytes=CHUNK, num_chunks=2
+            # The remote must answer on a loaded machine, where a short deadline can read as a dead region.
+            {**options(s3_store, tmp_path / "reader"), "store_url": regions, "remote_timeout_s": 10.0},
+            chunk_bytes=CHUNK,
+            num_chunks=2,
         )
         try:
             tier = reader.tier
