@@ -58,7 +58,6 @@ from kvstore.errors import (
 MAGIC = b"KVCH"
 FORMAT_VERSION = 2
 BLOCK = 4096  # the alignment unit of O_DIRECT: header block, payload offset, padded payload
-_COPY_PIECE = 256 << 10  # hashed, then copied while still in cache (`copy_checked`)
 HEADER_BLOCK = BLOCK
 MAX_KEY_BYTES = 2048
 _FIXED = struct.Struct("<4sBBBBIHHQQ16s")  # everything before the header checksum
@@ -108,15 +107,10 @@ def _key_bytes(key: str) -> bytes:
 
 def content_checksum(key: str, raw: Buffer) -> bytes:
     """xxh3-128 over the key and the raw bytes (~40 GB/s; hashing a large buffer releases the GIL)."""
-    hasher = _content_hasher(key)
+    kb = _key_bytes(key)
+    hasher = xxhash.xxh3_128(_DOMAIN + len(kb).to_bytes(2, "little") + kb)
     hasher.update(flat(raw))
     return hasher.digest()
-
-
-def _content_hasher(key: str) -> xxhash.xxh3_128:
-    """The content checksum's hasher, fed the key: the raw bytes go in next."""
-    kb = _key_bytes(key)
-    return xxhash.xxh3_128(_DOMAIN + len(kb).to_bytes(2, "little") + kb)
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,34 +251,15 @@ def copy_bytes(src: Buffer, dest: memoryview) -> None:
 
 def unpack_into(header: ChunkHeader, payload: bytes | memoryview, dest: memoryview) -> None:
     """Decode `payload` (exactly `header.payload_length` bytes) into `dest` and verify it."""
-    if header.codec is Codec.NONE:
-        copy_checked(header, payload, dest)
-    else:
-        header.verify(unpack_verified(header, payload, dest))
-
-
-def copy_checked(header: ChunkHeader, payload: Buffer, dest: memoryview) -> None:
-    """Copy an uncompressed payload nobody has hashed yet into `dest`, checking it on the way: each piece
-    of the (immutable) payload is hashed, then copied while it is still in the core's cache. A 2 MiB
-    payload so took about 275 µs of CPU against 320-360 hashed whole and copied later, once it had left the
-    cache (research, 2026-12-07). ChecksumMismatch if the payload is not the chunk's content (`dest` then
-    holds garbage)."""
-    view = flat(payload)
-    src = np.frombuffer(view, dtype=np.uint8)
-    out = np.frombuffer(_destination(header, dest), dtype=np.uint8)
-    hasher = _content_hasher(header.key)
-    for at in range(0, len(view), _COPY_PIECE):
-        end = at + _COPY_PIECE
-        hasher.update(view[at:end])
-        np.copyto(out[at:end], src[at:end])
-    if hasher.digest() != header.checksum:
-        raise ChecksumMismatch(f"chunk {header.key}: checksum mismatch, the stored bytes are corrupt")
+    header.verify(unpack_verified(header, payload, dest))
 
 
 def unpack_verified(header: ChunkHeader, payload: bytes | memoryview, dest: memoryview) -> memoryview:
     """Decode a payload that `verify` has already checked into `dest`, returned flat. Decoding immutable
     bytes is deterministic, so hashing what it wrote a second time would find nothing new."""
-    out = _destination(header, dest)
+    out = flat(dest)
+    if len(out) != header.raw_length:
+        raise ChunkUnreadable(f"destination holds {len(out)} bytes, chunk decodes to {header.raw_length}")
     if header.codec is Codec.NONE:
         copy_bytes(payload, out)
         return out
@@ -301,13 +276,6 @@ def unpack_verified(header: ChunkHeader, payload: bytes | memoryview, dest: memo
         target[:] = planes
     else:
         target.reshape(-1, width)[:] = planes.reshape(width, -1).T
-    return out
-
-
-def _destination(header: ChunkHeader, dest: memoryview) -> memoryview:
-    out = flat(dest)
-    if len(out) != header.raw_length:
-        raise ChunkUnreadable(f"destination holds {len(out)} bytes, chunk decodes to {header.raw_length}")
     return out
 
 
@@ -340,14 +308,10 @@ def decode_into(key: str, blob: Buffer, dest: memoryview) -> ChunkHeader:
     return header
 
 
-def verify(key: str, blob: Buffer, *, payload: bool = True) -> ChunkHeader:
-    """Check `blob` as `key`'s chunk without a destination (an uncompressed payload is hashed in place).
-    Without ``payload``, an uncompressed payload is left for `copy_checked` to hash as it copies it: only
-    the header and the lengths are checked."""
+def verify(key: str, blob: Buffer) -> ChunkHeader:
+    """Check `blob` as `key`'s chunk without a destination (an uncompressed payload is hashed in place)."""
     view = flat(blob)
     header = _validate(view, key)
-    if header.codec is Codec.NONE and not payload:
-        return header
     if header.codec is Codec.NONE:
         header.verify(payload_of(header, view))
     else:

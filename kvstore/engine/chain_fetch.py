@@ -2,9 +2,8 @@
 
 Each chain is the unknown keys of one request (and KV-cache group) in token order, and a request can use only
 the chunks before its first miss. So keys are asked rank by rank over the chains (every chain's first key,
-then every second key...), nothing past a chain's known miss is fetched, and each hit is checked as it
-arrives (all but an uncompressed payload, which its load hashes as it copies it: `io.deliver`) and held for
-its load (`PrefetchBuffer`).
+then every second key...), nothing past a chain's known miss is fetched, and each hit is verified as it
+arrives and held for its load (`PrefetchBuffer`).
 
 Where the store keeps many GETs in flight, a chain's other keys wait for its first key's answer: a context
 the bucket never saw (every new conversation's first turn) then costs one GET, not one per chunk, each a 404
@@ -117,7 +116,7 @@ class ChainFetch:
     def _get_one_by_one(self, store: ObjectStore) -> None:
         while (at := self._next()) is not None:
             c, rank = at
-            self._fetched(c, rank, io.fetch(store, self.chains[c][rank], payload=False))
+            self._fetched(c, rank, io.fetch(store, self.chains[c][rank]))
 
     def _get_each(self, store: ObjectStore, at_once: int) -> None:
         handed_out = True
@@ -142,13 +141,7 @@ class ChainFetch:
         while handed_out:
             handed_out = False
             io.fetch_as_they_come(
-                store,
-                next_item,
-                on_fetched,
-                at_once=at_once,
-                wanted=self._wanted,
-                on_found=on_found,
-                payload=False,
+                store, next_item, on_fetched, at_once=at_once, wanted=self._wanted, on_found=on_found
             )
 
     def _runner(self, get: Callable[[ObjectStore], None]) -> None:

@@ -14,17 +14,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kvstore.cache import CachedChunk, NVMeCache, StagedFile
-from kvstore.chunk import (
-    Buffer,
-    ChunkHeader,
-    Codec,
-    copy_checked,
-    decode_into,
-    encode,
-    payload_of,
-    unpack_verified,
-    verify,
-)
+from kvstore.chunk import Buffer, ChunkHeader, Codec, decode_into, encode, payload_of, unpack_verified, verify
 from kvstore.errors import CacheError, ChunkError, ChunkUnreadable, StoreError
 from kvstore.stores import ObjectStore, get_each_located, get_located
 
@@ -34,8 +24,7 @@ _T = TypeVar("_T")
 @dataclass(frozen=True, slots=True)
 class Fetched:
     """One GET: the object (None if the store has no such key), where it came from, and whether it is a
-    good chunk for its key (``header``) or why not (``error``). A good chunk's payload is ``verified``
-    unless the probe left it for its load to hash as it copies (`deliver`)."""
+    good chunk for its key (``header``) or why not (``error``)."""
 
     key: str
     blob: Buffer | None
@@ -43,19 +32,17 @@ class Fetched:
     header: ChunkHeader | None = None
     error: ChunkError | None = None
     seconds: float = 0.0
-    verified: bool = True
 
     @property
     def good(self) -> bool:
         return self.header is not None
 
 
-def fetch(store: ObjectStore, key: str, *, payload: bool = True) -> Fetched:
-    """GET ``key`` and verify it as ``key``'s chunk (the payload is hashed in place, not copied; without
-    ``payload``, an uncompressed one is left for the load to hash as it copies it)."""
+def fetch(store: ObjectStore, key: str) -> Fetched:
+    """GET ``key`` and verify it as ``key``'s chunk (the payload is hashed in place, not copied)."""
     start = time.perf_counter()
     blob, region = get_located(store, key)
-    return checked(key, blob, region, start, payload=payload)
+    return checked(key, blob, region, start)
 
 
 def fetch_as_they_come(
@@ -66,11 +53,10 @@ def fetch_as_they_come(
     at_once: int,
     wanted: Callable[[_T], bool] = lambda _tag: True,
     on_found: Callable[[_T], None] | None = None,
-    payload: bool = True,
 ) -> None:
     """`fetch` of the key of every ``(tag, key)`` that ``next_item`` hands out, ``at_once`` GETs in flight
     together on the calling thread (for a store whose ``gets_many_at_once``); each result to ``on_fetched``
-    with its tag as it comes. ``wanted`` and ``on_found``: see `get_each_located`; ``payload``: `fetch`."""
+    with its tag as it comes. ``wanted`` and ``on_found``: see `get_each_located`."""
     started: dict[_T, tuple[str, float]] = {}
 
     def next_timed() -> tuple[_T, str] | None:
@@ -81,7 +67,7 @@ def fetch_as_they_come(
 
     def on_object(tag: _T, blob: Buffer | None, region: str | None) -> None:
         key, start = started.pop(tag)
-        on_fetched(tag, checked(key, blob, region, start, payload=payload))
+        on_fetched(tag, checked(key, blob, region, start))
 
     get_each_located(store, next_timed, on_object, at_once=at_once, wanted=wanted, on_found=on_found)
 
@@ -98,32 +84,24 @@ def fetch_each(store: ObjectStore, keys: Sequence[str], *, at_once: int) -> list
     return [f if f is not None else Fetched(key, None) for key, f in zip(keys, out, strict=True)]
 
 
-def checked(
-    key: str, blob: Buffer | None, region: str | None, start: float, *, payload: bool = True
-) -> Fetched:
-    """What a GET of ``key`` that began at ``start`` (``time.perf_counter``) brought, verified (without
-    ``payload``: all but an uncompressed payload, see `chunk.verify`)."""
+def checked(key: str, blob: Buffer | None, region: str | None, start: float) -> Fetched:
+    """What a GET of ``key`` that began at ``start`` (``time.perf_counter``) brought, verified."""
     if blob is None:
         return Fetched(key, None, region, seconds=time.perf_counter() - start)
     try:
-        header = verify(key, blob, payload=payload)
+        header = verify(key, blob)
     except ChunkError as exc:
         return Fetched(key, blob, region, error=exc, seconds=time.perf_counter() - start)
-    verified = payload or header.codec is not Codec.NONE
-    return Fetched(key, blob, region, header=header, seconds=time.perf_counter() - start, verified=verified)
+    return Fetched(key, blob, region, header=header, seconds=time.perf_counter() - start)
 
 
 def deliver(fetched: Fetched, dest: memoryview) -> ChunkError | None:
-    """Copy a good chunk into ``dest`` (memory speed, without the GIL): a verified payload is not hashed
-    again (the blob is immutable), one not verified yet is hashed as it is copied. The error if it cannot go
-    there (another buffer size) or fails its check (``ChecksumMismatch``: the object is corrupt)."""
+    """Copy a chunk that `fetch` verified into ``dest`` (memory speed, without the GIL, and not hashed
+    again: the blob is immutable); the error if it cannot go there (another buffer size)."""
     assert fetched.header is not None and fetched.blob is not None
     header = fetched.header
     try:
-        if fetched.verified:
-            unpack_verified(header, payload_of(header, fetched.blob), dest)
-        else:
-            copy_checked(header, payload_of(header, fetched.blob), dest)
+        unpack_verified(header, payload_of(header, fetched.blob), dest)
     except ChunkError as exc:
         return exc
     return None
@@ -238,7 +216,7 @@ def write_chunk(
 
 def write_fetched(cache: NVMeCache, fetched: Fetched) -> StagedFile | CacheError:
     """Write a verified object-store chunk as it came (its bytes are already the file's)."""
-    assert fetched.header is not None and fetched.blob is not None and fetched.verified
+    assert fetched.header is not None and fetched.blob is not None
     try:
         return cache.write_file(fetched.header, [fetched.blob])
     except CacheError as exc:

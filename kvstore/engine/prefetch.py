@@ -3,8 +3,7 @@
 The scheduler's probe asks the object store whether chunks exist; a load follows for those that do. On the
 vLLM path the probe GETs instead of HEADs (same request count, and a missing key costs the same), so the load
 that follows finds the bytes here and the request waits for one network round instead of two. Blobs are
-checked as they arrive, on the probe's io thread, but for an uncompressed payload: the load hashes it piece
-by piece as it copies it into place, while each piece is in cache (`chunk.copy_checked`). Bounded by bytes;
+verified as they arrive, on the probe's io thread, so the load only copies them into place. Bounded by bytes;
 entries that no load takes within `ttl_s` are dropped (the request went elsewhere, or was cancelled).
 """
 
@@ -36,7 +35,7 @@ class PrefetchBuffer:
         return self._bytes
 
     def offer(self, fetched: Fetched) -> bool:
-        """Hold a good chunk; False when it does not fit."""
+        """Hold a verified chunk; False when it does not fit."""
         assert fetched.blob is not None
         size = memoryview(fetched.blob).nbytes
         now = self._clock()

@@ -1,11 +1,10 @@
 """The read path: chunks into the caller's buffers, verified, from the fastest tier that has them.
 
-What the probe already fetched (its payload hashed as it is copied) or an earlier load's object hit still
-waiting for its NVMe write (verified) -> copied in at memory speed; then NVMe (the index says present) ->
-O_DIRECT reads on the disk threads, in parallel (cold reads need queue depth), verified in place; then object
-GETs on the io threads, within the load deadline -> verified while copied. What the object store served goes
-to NVMe from these very bytes, at a quiet moment (`kvstore.engine.admission`): one GET per hit, none for a
-repeat.
+What the probe already fetched, or an earlier load's object hit still waiting for its NVMe write (both
+verified when they arrived) -> copied in at memory speed; then NVMe (the index says present) -> O_DIRECT
+reads on the disk threads, in parallel (cold reads need queue depth), verified in place; then object GETs on
+the io threads, within the load deadline -> verified while copied. What the object store served goes to NVMe
+from these very bytes, at a quiet moment (`kvstore.engine.admission`): one GET per hit, none for a repeat.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 from kvstore.cache import CachedChunk, ReadResult, ReadStatus
 from kvstore.engine import io
@@ -71,7 +69,7 @@ class Reader:
     def _load(self, items: Sequence[tuple[str, memoryview]]) -> list[bool]:
         outcomes = self._outcomes
         out = [False] * len(items)
-        # What the probe fetched is in memory: copied in at memory speed (and checked), before anything else
+        # What the probe fetched is in memory and verified: copied in at memory speed, before anything else
         # (an NVMe copy, if another process admitted one meanwhile, would cost a disk read).
         hits = self._take_prefetched(items, out)
         self._copy_admitting(items, out)
@@ -96,7 +94,7 @@ class Reader:
             failure = io.deliver(held, dest)
             if failure is None:
                 out[i] = True
-                hits.append(held if held.verified else replace(held, verified=True))
+                hits.append(held)
             else:
                 self._outcomes.not_usable(Fetched(key, held.blob, held.region, error=failure), loading=True)
         return hits

@@ -15,14 +15,12 @@ from kvstore.chunk import (
     HEADER_BLOCK,
     Codec,
     content_checksum,
-    copy_checked,
     decode,
     decode_into,
     decode_legacy,
     encode,
     encode_legacy,
     parse_header,
-    payload_of,
     verify,
 )
 from kvstore.errors import (
@@ -165,27 +163,6 @@ def test_what_a_reader_cannot_interpret_is_unreadable_not_corrupt() -> None:
         assert not isinstance(caught.value, ChunkCorrupt), name
     with pytest.raises(ChunkUnreadable, match="destination"):
         decode_into(KEY, bytes(blob), memoryview(bytearray(399)))
-
-
-@pytest.mark.parametrize("at", [0, 256 * 1024 - 1, 256 * 1024, 600 * 1024 - 1])
-def test_a_payload_left_unhashed_is_checked_as_it_is_copied(at: int) -> None:
-    """The probe checks only the header of an uncompressed chunk; its load hashes the payload piece by piece
-    as it copies it, and a flipped byte in any piece is caught."""
-    raw = bf16_like(300 * 1024)
-    good = encode(KEY, raw).to_bytes()
-    out = bytearray(len(raw))
-    header = verify(KEY, good, payload=False)
-    copy_checked(header, payload_of(header, good), memoryview(out))
-    assert bytes(out) == raw
-    bad = bytearray(good)
-    bad[HEADER_BLOCK + at] ^= 0x01
-    assert verify(KEY, bytes(bad), payload=False) == header, "the header alone passes"
-    with pytest.raises(ChecksumMismatch):
-        copy_checked(header, payload_of(header, bytes(bad)), memoryview(out))
-    with pytest.raises(ChecksumMismatch):
-        decode_into(KEY, bytes(bad), memoryview(out))
-    with pytest.raises(ChunkUnreadable):
-        copy_checked(header, payload_of(header, good), memoryview(bytearray(len(raw) - 2)))
 
 
 def test_checksum_mismatch_is_corruption() -> None:
