@@ -160,12 +160,15 @@ class Uploader:
             sent = io.upload(self._cache, self._store, located)
         except FileNotFoundError:
             return _Outcome.GONE
+        except OSError as exc:  # a failed read proves nothing about the chunk, perhaps its only copy
+            log.warning("cannot read queued chunk %s now (%s): it waits for a later round", located.key, exc)
+            return _Outcome.DEFERRED
         except ChunkUnreadable as exc:
             log.warning("queued chunk %s is not for this agent (%s): left in the journal", located.key, exc)
             self._metrics.unreadable.labels("nvme").inc()
             return _Outcome.UNREADABLE
         except CacheError as exc:
-            nvme_copy_corrupt(self._cache, located.key, str(exc), self._metrics)
+            nvme_copy_corrupt(self._cache, located.key, str(exc), self._metrics, path=located.path)
             return _Outcome.DAMAGED
         except StoreError as exc:
             self._breaker.failed("put", exc)

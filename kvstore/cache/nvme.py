@@ -364,9 +364,16 @@ class NVMeCache:
             except CacheFull as exc:
                 log.debug("%d touches dropped: %s", len(touches), exc)
 
-    def discard(self, key: str) -> bool:
-        """Remove ``key`` (e.g. its checksum failed). True if it was cached."""
-        entry = self._index.remove(key, reason="discarded")
+    def discard(self, key: str, *, path: str | None = None) -> bool:
+        """Remove ``key`` (e.g. its checksum failed); with ``path``, only while its entry still names that
+        file (a copy stored again since is another file, and stays). True if it was removed."""
+        token = None
+        if path is not None:
+            held = self._index.get(key)
+            if held is None or self._files.path_str(key, held.token) != path:
+                return False
+            token = held.token
+        entry = self._index.remove(key, token, reason="discarded")
         if entry is None:
             return False
         self._unlink([(key, entry)])

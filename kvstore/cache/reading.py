@@ -58,13 +58,10 @@ def read_into(files: ChunkFiles, located: CachedChunk, dest: memoryview) -> Read
 
 def read_stored(files: ChunkFiles, located: CachedChunk) -> memoryview:
     """The whole chunk file as stored (what an upload PUTs), in this thread's staging buffer: valid
-    until this thread's next read. FileNotFoundError if it is gone, CacheError if it is torn."""
-    try:
-        blob = files.read_whole(located.path, located.size)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise CacheError(f"cannot read {located.path}: {exc}") from exc
+    until this thread's next read. FileNotFoundError if it is gone, CacheError if it is torn, another
+    OSError if it cannot be read now (too many open files, no memory, a disk error): that proves nothing
+    about the chunk, which may be the only copy."""
+    blob = files.read_whole(located.path, located.size)
     if len(blob) != located.size:
         raise CacheError(f"{located.path} is {len(blob)} bytes, its index entry says {located.size}")
     return blob

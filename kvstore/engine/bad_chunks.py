@@ -48,8 +48,11 @@ def count_removals(cache: NVMeCache, metrics: EngineMetrics) -> None:
         metrics.uploads_lost.labels(reason).inc(n)
 
 
-def nvme_copy_corrupt(cache: NVMeCache, key: str, why: str, metrics: EngineMetrics) -> None:
-    """A node-local copy proven bad: discard it (the bucket's copy, if any, still serves)."""
+def nvme_copy_corrupt(
+    cache: NVMeCache, key: str, why: str, metrics: EngineMetrics, *, path: str | None = None
+) -> None:
+    """A node-local copy proven bad: discard it (the bucket's copy, if any, still serves); with ``path``,
+    only while the cache still holds that file for ``key``."""
     log.warning("discarding corrupt NVMe chunk %s: %s", key, why)
     metrics.checksum_failures.labels("nvme").inc()
-    cache.discard(key)
+    cache.discard(key, path=path)

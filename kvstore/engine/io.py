@@ -225,8 +225,9 @@ def write_fetched(cache: NVMeCache, fetched: Fetched) -> StagedFile | CacheError
 
 def upload(cache: NVMeCache, store: ObjectStore, located: CachedChunk) -> int:
     """PUT one queued chunk from its NVMe file; the bytes sent. FileNotFoundError if the file went (evicted
-    meanwhile), CacheError if it is torn or fails its check, ChunkUnreadable if this reader cannot check it
-    (a newer format: never uploaded unchecked, never judged either), StoreError from the store."""
+    meanwhile), another OSError if it cannot be read now, CacheError if it is torn or fails its check,
+    ChunkUnreadable if this reader cannot check it (a newer format: never uploaded unchecked, never judged
+    either), StoreError from the store."""
     blob = cache.read_stored(located)
     try:
         header = verify(located.key, blob)  # the bucket is shared: never PUT bytes that fail their check

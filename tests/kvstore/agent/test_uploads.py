@@ -4,6 +4,7 @@ counted lost, once, for the whole node."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -151,6 +152,40 @@ def test_every_stored_chunk_is_uploaded_or_counted_lost_once_for_the_node(
         engine.publish_counters()  # the engine's figures for the node's counters, through the agent
         wait_for(lambda: cache.counters().get(written, 0) > 0, what="the engine's figures to reach the index")
         assert cache.counters()["uploads_lost"] == lost, "an engine's own count is not added a second time"
+
+
+def test_a_queued_chunk_that_cannot_be_read_now_waits_and_is_never_discarded(
+    tmp_path: Path,
+    metrics: EngineMetrics,
+    make_engine: MakeEngine,
+    start_agent: StartAgent,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reading queued chunks' files fails for a while (too many open files, a disk error): that proves
+    nothing about the chunks, their only copies, which wait and are uploaded once reads work (before: the
+    agent discarded them as corrupt, counted lost)."""
+    store = MemoryStore()
+    with NVMeCache(tmp_path / "nvme", budget_bytes=1 << 30) as cache:
+        engine = make_engine(store, cache, metrics)
+        names = keys(3, "unreadable-now")
+        assert engine.store_many([(k, payload(i)) for i, k in enumerate(names)]).written == 3
+        files = cache._files
+        readable = files.read_whole
+
+        def fails(path: str, size: int) -> memoryview:
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        monkeypatch.setattr(files, "read_whole", fails)
+        agent_metrics = EngineMetrics(CollectorRegistry())
+        start_agent(cache, store, agent_metrics)
+        retries = "kvstore:upload_retries_total"
+        wait_for(lambda: sample(agent_metrics, retries) >= 3, what="a round that could not read")
+        assert cache.contains_many(names) == [True] * 3
+        monkeypatch.setattr(files, "read_whole", readable)
+        wait_for(lambda: cache.backlog().chunks == 0, what="the uploads once reads work")
+        assert all(store.exists_many(names))
+        assert cache.counters().get("uploads_lost", 0) == 0
+        assert sample(agent_metrics, "kvstore:checksum_failures_total", tier="nvme") == 0
 
 
 def test_a_driver_waits_for_the_uploads_by_reading_the_index_alone(
