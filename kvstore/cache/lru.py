@@ -26,6 +26,9 @@ Txn: TypeAlias = "lmdb.Transaction[bytes]"  # generic for type checkers only
 # Eviction passes over at most this many chunks that still wait for upload to find uploaded ones: bounded
 # work per admission, and under a long outage (everything waits) plain LRU order again.
 UPLOAD_LOOKAHEAD = 256
+# The node agent's eviction, which keeps every chunk that waits for upload, looks past this many of them for
+# uploaded ones: off the data path it can look further, yet its write transaction stays short.
+KEEP_PENDING_LOOKAHEAD = 16 * UPLOAD_LOOKAHEAD
 
 _U64 = struct.Struct("<Q")
 _TS = struct.Struct(">Q")  # big-endian so LMDB's byte order is time order
@@ -57,9 +60,10 @@ def pick_victims(
     """Entries whose sizes add up to ``need`` (or ``limit`` of them), least recently used first, but an entry
     still waiting for upload (its only copy) is passed over for an uploaded one within the next
     ``UPLOAD_LOOKAHEAD`` records; past that, it goes too. With ``keep_pending`` it never goes (the victims
-    may then add up to less than ``need``), and the scan ends at the lookahead's bound."""
+    may then add up to less than ``need``), and the scan ends past ``KEEP_PENDING_LOOKAHEAD`` of them."""
     victims: list[tuple[bytes, Entry]] = []
     passed_over: list[tuple[bytes, Entry]] = []
+    kept = 0
     stale: list[bytes] = []
     freed = 0
     for lk in txn.cursor(db=s.lru).iternext(values=False):
@@ -69,18 +73,20 @@ def pick_victims(
         if entry is None or entry.last_access_ns != _TS.unpack(lk[:8])[0] or txn.get(vk, db=s.pins):
             stale.append(lk)  # self-healing: a record that no longer matches an evictable entry
             continue
-        if entry.pending_upload:
-            if len(passed_over) < UPLOAD_LOOKAHEAD:
-                passed_over.append((vk, entry))
-                continue
-            if keep_pending:
+        if entry.pending_upload and keep_pending:
+            kept += 1
+            if kept > KEEP_PENDING_LOOKAHEAD:
                 break
+            continue
+        if entry.pending_upload and len(passed_over) < UPLOAD_LOOKAHEAD:
+            passed_over.append((vk, entry))
+            continue
         victims.append((vk, entry))
         freed += entry.size
         if freed >= need or len(victims) == limit:
             break
     for vk, entry in passed_over:  # not enough without them: the oldest of them go after all
-        if keep_pending or freed >= need or len(victims) == limit:
+        if freed >= need or len(victims) == limit:
             break
         victims.append((vk, entry))
         freed += entry.size

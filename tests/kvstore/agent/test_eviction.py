@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from kvstore.agent.eviction import Evictor
 from kvstore.cache import NVMeCache
+from kvstore.cache.lru import UPLOAD_LOOKAHEAD
 from kvstore.chunk import stored_size
 from kvstore.metrics import EngineMetrics
 from tests.cache_helpers import admit, cached_keys
@@ -55,3 +56,19 @@ def test_the_budget_holds_even_against_chunks_waiting_for_upload(tmp_path: Path)
         assert Evictor(cache, metrics, low=0.5, high=0.95).check() == names[:4]
         assert lost(metrics) == 4
         assert sorted(cached_keys(cache)) == sorted(names[4:])
+
+
+def test_headroom_is_found_past_the_data_paths_lookahead(tmp_path: Path) -> None:
+    """More chunks waiting for upload at the old end of the LRU order than an engine's commit looks past:
+    the agent still finds the uploaded chunks behind them (before: it stopped where a commit stops, evicted
+    nothing, and the engines' commits then evicted chunks waiting for upload)."""
+    metrics = EngineMetrics(CollectorRegistry())
+    pending = [k(i) for i in range(UPLOAD_LOOKAHEAD + 44)]
+    uploaded = [k(i) for i in range(len(pending), 399)]
+    with NVMeCache(tmp_path / "nvme", 400 * U) as cache:
+        for name in pending:
+            assert admit(cache, name, b"p" * 100, pending_upload=True)
+        for name in uploaded:
+            assert admit(cache, name, b"u" * 100)
+        assert Evictor(cache, metrics, low=0.9, high=0.95).check() == uploaded[:39]
+        assert lost(metrics) == 0
