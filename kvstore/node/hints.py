@@ -84,10 +84,11 @@ _decoder = msgspec.msgpack.Decoder(Hints)
 
 
 def decode(datagram: bytes) -> Hints | None:
-    """A datagram's hints, or None if it is not one (anything may write to a socket)."""
+    """A datagram's hints, or None if it is not one (anything may write to a socket: msgpack nested
+    deeper than the decoder recurses is a RecursionError, not a DecodeError)."""
     try:
         return _decoder.decode(datagram)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
 
 

@@ -190,7 +190,8 @@ def test_no_datagram_stops_the_agent_and_each_bad_one_is_counted(
     cache: NVMeCache, start_agent: Callable[..., NodeAgent]
 ) -> None:
     """An empty counter name, one of 600 bytes, 2**64-1 twice, a negative or zero increment, keys the index
-    cannot hold: each once raised out of the agent's loop (MDB_BAD_VALSIZE, struct.error) and stopped it."""
+    cannot hold, msgpack nested 2,000 deep: each once raised out of the agent's loop (MDB_BAD_VALSIZE,
+    struct.error, RecursionError) and stopped it."""
     metrics = EngineMetrics(CollectorRegistry())
     agent = start_agent(cache, None, metrics)
     bad = [
@@ -204,7 +205,8 @@ def test_no_datagram_stops_the_agent_and_each_bad_one_is_counted(
         Hints(1, stored=["k" * 511]),
         Hints(1, touched=["k" * 1000]),
     ]
-    _send(cache.directory, [encode(h) for h in bad] + [b"", b"not msgpack"])
+    nested = b"\x82\xa3pid\x01\xa1x" + b"\x91" * 2000 + b"\xc0"  # deeper than msgpack's decoder recurses
+    _send(cache.directory, [encode(h) for h in bad] + [b"", b"not msgpack", nested])
     link = AgentLink(cache.directory)
     link.touched(["k/1.bin"])
     link.counters({"nvme.hits": 3})
@@ -212,8 +214,8 @@ def test_no_datagram_stops_the_agent_and_each_bad_one_is_counted(
     link.close()
     wait_for(lambda: cache.counters().get("nvme.hits") == 3, what="the good hint after the bad ones")
     assert agent.running
-    assert agent.hints_rejected == len(bad) + 2
-    assert sample(metrics, "kvstore:agent_hints_rejected_total") == len(bad) + 2
+    assert agent.hints_rejected == len(bad) + 3
+    assert sample(metrics, "kvstore:agent_hints_rejected_total") == len(bad) + 3
     assert set(cache.counters()) <= COUNTERS
 
 
