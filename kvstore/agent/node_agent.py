@@ -23,7 +23,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,25 +223,22 @@ class NodeAgent:
             self._take_all(work.inbox.receive(timeout=min(HEARTBEAT_S, _EVICT_EVERY_S)), work)
             now = self._clock()
             if now >= beat_at:
-                self._lock.heartbeat()
                 beat_at = now + HEARTBEAT_S
-                work.counters.maybe_publish()
-                count_removals(self.cache, self.metrics)
-                if self._exit_when_idle is not None:
-                    idle_since = self._idle_since(idle_since, now, work)
-                    if idle_since is not None and now - idle_since >= self._exit_when_idle:
-                        log.info(
-                            "no engine has used %s for %.0f s: exiting",
-                            self.cache.directory,
-                            now - idle_since,
-                        )
-                        break
+                with _carrying_on("the heartbeat's work"):
+                    self._lock.heartbeat()
+                    work.counters.maybe_publish()
+                    count_removals(self.cache, self.metrics)
+                    if self._exit_when_idle is not None:
+                        idle_since = self._idle_since(idle_since, now, work)
+                if self._idle_long_enough(idle_since, now):
+                    break
             if now >= evict_at:
                 work.evictor.check()
                 evict_at = now + _EVICT_EVERY_S
             if now >= trim_at:
-                self.cache.trim_changes(_CHANGES_KEPT)
                 trim_at = now + _TRIM_EVERY_S
+                with _carrying_on("trimming the change log"):
+                    self.cache.trim_changes(_CHANGES_KEPT)
         self._take_all(work.inbox.receive(timeout=0.05), work)  # stopping: engines' last word still counts
 
     @property
@@ -290,11 +287,31 @@ class NodeAgent:
         if hints.stored and work.uploader is not None:
             work.uploader.kick()
 
+    def _idle_long_enough(self, idle_since: float | None, now: float) -> bool:
+        """Whether no engine has used the cache for ``exit_when_idle_s`` (said in the log when so)."""
+        limit = self._exit_when_idle
+        if limit is None or idle_since is None or now - idle_since < limit:
+            return False
+        log.info("no engine has used %s for %.0f s: exiting", self.cache.directory, now - idle_since)
+        return True
+
     def _idle_since(self, since: float | None, now: float, work: _Work) -> float | None:
         busy = bool(live_engines(self.cache.directory)) or self.cache.backlog().chunks > 0
         if busy:
             return None
         return now if since is None else since
+
+
+@contextlib.contextmanager
+def _carrying_on(what: str) -> Iterator[None]:
+    """The agent's periodic work outlives an index or disk error (LMDB reports a full disk as EIO): the
+    error is logged and the work tried again at its next turn. A closed cache still ends the loop."""
+    try:
+        yield
+    except CacheClosed:
+        raise
+    except (KVStoreError, OSError) as exc:
+        log.warning("node agent: %s failed, tried again at its next turn: %s", what, exc)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from kvstore.cache import NVMeCache
 from kvstore.chunk import HEADER_BLOCK
 from kvstore.engine import EngineThreads, Presence, TieredStore
 from kvstore.engine.node_counters import counter_name
+from kvstore.errors import CacheError
 from kvstore.metrics import EngineMetrics
 from kvstore.stores import MemoryStore, ObjectStore
 from tests.cache_helpers import cached_keys, locate
@@ -277,6 +278,32 @@ def test_access_records_and_counters_reach_the_bucket_and_the_index(
     wait_for(lambda: set(names) <= recorded(), what="access records in the bucket")
     loaded = counter_name("nvme", "read_bytes")
     wait_for(lambda: cache.counters().get(loaded, 0) == 3 * CHUNK, what="the node's counters")
+
+
+def test_an_index_error_in_the_agents_periodic_work_does_not_stop_it(
+    cache: NVMeCache,
+    metrics: EngineMetrics,
+    make_engine: MakeEngine,
+    start_agent: StartAgent,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Trimming the change log fails (LMDB reports a full disk as EIO): the agent logs it and goes on
+    uploading (before: the error left its loop and the agent stopped)."""
+    failures: list[int] = []
+
+    def fail(_keep: int) -> None:
+        failures.append(_keep)
+        raise CacheError("mdb_txn_commit: Input/output error")
+
+    monkeypatch.setattr(cache, "trim_changes", fail)
+    store = MemoryStore()
+    engine = make_engine(store, cache, metrics)
+    agent = start_agent(cache, store)
+    wait_for(lambda: failures, what="the trim to fail")
+    names = keys(2, "after-eio")
+    assert engine.store_many([(k, payload(i)) for i, k in enumerate(names)]).written == 2
+    wait_for(lambda: all(store.exists_many(names)), what="the uploads after the failures")
+    assert agent.running
 
 
 def test_one_agent_per_cache_directory(cache: NVMeCache, start_agent: StartAgent) -> None:
