@@ -39,7 +39,9 @@ def agent(
     logging.getLogger("kvstore").setLevel(logging.INFO)
     try:
         # Another agent on this directory (one an engine started, the admin service's): wait for it to go.
-        run_agent(settings, metrics_port=metrics_port, metrics_host=metrics_host, wait_for_lock=True)
+        code = run_agent(settings, metrics_port=metrics_port, metrics_host=metrics_host, wait_for_lock=True)
     except KVStoreError as exc:
         say("agent failed", exc)
         raise typer.Exit(EXIT_UNAVAILABLE) from None
+    if code:  # another store than the engines' on this cache, or stopped on an error: said in the log
+        raise typer.Exit(code)

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 # How often an agent on the embedded store looks for the server that runs now.
 _FOLLOW_EVERY_S = 10.0
 EXIT_MISMATCH = 2
+EXIT_FAILED = 3  # the agent stopped on an error: a service manager restarts it
 
 
 def run_agent(
@@ -39,7 +40,7 @@ def run_agent(
     engine has used the cache that long and nothing waits for upload). When another agent already runs for
     that directory: with ``wait_for_lock`` (an operator's agent), wait to take over when it goes; without
     (one an engine started), exit at once with status 1. An agent configured for another store than the
-    engines on the cache exits with status 2, saying so."""
+    engines on the cache exits with status 2, saying so; one that stopped on an error, with status 3."""
     identity = store_identity(settings)
     try:
         check_agreement(settings.cache_dir, identity, what="this node agent", with_agent=False)
@@ -87,7 +88,7 @@ def run_agent(
                 # This thread lives as long as the process: a server it starts is tied to it.
                 followed.follow()
                 follow_at = time.monotonic() + _FOLLOW_EVERY_S
-        return 0
+        return EXIT_FAILED if agent.failed else 0
     finally:
         agent.stop()
         cache.close()

@@ -103,6 +103,7 @@ class NodeAgent:
         self._thread: threading.Thread | None = None
         self._owns_threads = False
         self.hints_received = 0
+        self.failed = False  # whether it stopped on an error, not when asked or idle
         self._failed_hints = 0
         self._rejected_counted = 0  # of hints_rejected, what the metric has
         self._inbox: HintInbox | None = None
@@ -178,6 +179,7 @@ class NodeAgent:
         except CacheClosed:
             log.info("node agent: the cache was closed, stopping")
         except Exception:
+            self.failed = True
             log.exception("node agent failed")
         finally:
             ready.set()

@@ -31,6 +31,29 @@ def env(tmp_path: Path) -> dict[str, str]:
     )
 
 
+# `kvstore agent` with a defect in its loop (the agent's thread raises at once).
+_BROKEN = """
+import sys
+from kvstore.admin.cli import main
+from kvstore.agent.node_agent import NodeAgent
+
+def broken(self, work):
+    raise RuntimeError("a defect in the agent's loop")
+
+NodeAgent._loop = broken
+sys.argv = ["kvstore", "agent"]
+sys.exit(main())
+"""
+
+
+def test_an_agent_that_stops_on_an_error_exits_non_zero(tmp_path: Path, env: dict[str, str]) -> None:
+    """So that a service manager restarts it (before: status 0, as if asked to stop)."""
+    failed = subprocess.run([sys.executable, "-c", _BROKEN], env=env, capture_output=True, text=True)
+    assert failed.returncode == 3, failed.stderr[-2000:]
+    assert "a defect in the agent's loop" in failed.stderr
+    assert not agent_status(tmp_path / "nvme").running
+
+
 def test_one_agent_per_directory_and_a_second_takes_over(tmp_path: Path, env: dict[str, str]) -> None:
     first = subprocess.Popen([*KVSTORE, "agent"], env=env, stderr=subprocess.PIPE, text=True)
     second: subprocess.Popen[str] | None = None
