@@ -76,7 +76,8 @@ def apply_pins(cache: NVMeCache, store: ObjectStore) -> PinSync:
     because only this function's own record (`<cache_dir>/pins-applied.json`) is ever unpinned.
 
     Serialised across the node's processes by an flock; the record is replaced atomically after the LMDB
-    commits, so a crash in between re-applies at most one run's delta on the next call."""
+    commits, so a crash in between re-applies at most one run's delta on the next call, and a record that
+    cannot be written (a full disk) takes the delta back before the error goes on."""
     desired, skipped = _desired(store)
     directory = Path(cache.directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -90,7 +91,16 @@ def apply_pins(cache: NVMeCache, store: ObjectStore) -> PinSync:
         if to_unpin:
             cache.unpin(to_unpin)
         if to_pin or to_unpin or not (directory / _APPLIED_FILE).exists():
-            _save_applied(directory / _APPLIED_FILE, desired)
+            try:
+                _save_applied(directory / _APPLIED_FILE, desired)
+            except OSError:
+                # Unrecorded, the delta would be applied again by every retry: pins counted up while the
+                # disk is full, never all taken back.
+                if to_pin:
+                    cache.unpin(to_pin)
+                if to_unpin:
+                    cache.pin(to_unpin)
+                raise
     return PinSync(pinned=len(to_pin), unpinned=len(to_unpin), total=len(desired), skipped=len(skipped))
 
 
@@ -108,7 +118,7 @@ class PinSyncLoop:
         while True:
             try:
                 apply_pins(self._cache, self._store)
-            except KVStoreError as exc:
+            except (KVStoreError, OSError) as exc:  # OSError: the applied set's file on a full disk
                 log.warning("pin sync failed (retrying in %.0f s): %s", self._interval, exc)
             if self._stop.wait(self._interval):
                 return

@@ -46,7 +46,7 @@ class FollowedStore(ObjectStore):
         it moved. Blocks while a server starts: call it from a thread that nothing else waits on."""
         try:
             store, server = self._reopen()
-        except KVStoreError as exc:
+        except (KVStoreError, OSError) as exc:  # OSError: a server's files on a full disk, say
             log.warning("the embedded object store is not available: %s", exc)
             return False
         if server is None or server.endpoint == self._server.endpoint:

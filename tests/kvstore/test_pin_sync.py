@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore import pin_sync
 from kvstore.cache.nvme import NVMeCache
 from kvstore.cache.records import MAX_KEY_BYTES
 from kvstore.hashing import chunk_keys
@@ -75,6 +77,35 @@ def test_pin_sync_loop_follows_the_bucket(s3_store: ObjectStore, cache: NVMeCach
         assert _until(lambda: all(cache.pinned(k) == 1 for k in keys))
         delete_pin(s3_store, "made-elsewhere")
         assert _until(lambda: all(cache.pinned(k) == 0 for k in keys))
+    finally:
+        loop.stop()
+
+
+def test_pin_sync_loop_outlives_a_full_disk(
+    s3_store: ObjectStore, cache: NVMeCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writing the record of applied pins fails for a while (no space left): the loop retries, each failed
+    run takes its pins back, and once the record can be written every key holds one pin (before: the OSError
+    ended its thread, and pins stopped following the bucket until the agent restarted)."""
+    keys = _keys(64)
+    assert keys
+    save = pin_sync._save_applied
+    failures: list[int] = []
+
+    def full_disk(path: Path, applied: set[str]) -> None:
+        failures.append(len(applied))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pin_sync, "_save_applied", full_disk)
+    create_pin(s3_store, "while-full", NS, keys)
+    loop = PinSyncLoop(cache, s3_store, interval_s=0.05)
+    try:
+        assert _until(lambda: len(failures) >= 3), "tried again after the first failure"
+        assert [cache.pinned(k) for k in keys] == [0] * len(keys), "no pins counted up by the retries"
+        monkeypatch.setattr(pin_sync, "_save_applied", save)
+        assert _until(lambda: all(cache.pinned(k) == 1 for k in keys))
+        delete_pin(s3_store, "while-full")
+        assert _until(lambda: all(cache.pinned(k) == 0 for k in keys)), "and all taken back"
     finally:
         loop.stop()
 
