@@ -32,7 +32,16 @@ from kvstore.engine import io
 from kvstore.engine.bad_chunks import count_removals, nvme_copy_corrupt
 from kvstore.engine.breaker import Breaker
 from kvstore.engine.threads import EngineThreads
-from kvstore.errors import CacheClosed, CacheError, ChunkUnreadable, KVStoreError, StoreError
+from kvstore.errors import (
+    BucketNotFound,
+    CacheClosed,
+    CacheError,
+    ChunkUnreadable,
+    KVStoreError,
+    StoreAuthError,
+    StoreError,
+    StoreUnavailable,
+)
 from kvstore.metrics import EngineMetrics
 from kvstore.stores import ObjectStore
 
@@ -42,6 +51,7 @@ _CLAIM = 64  # chunks per claim: one index transaction claims them, one records 
 _LEASE_S = 120.0  # a claim older than this is taken over (its process hung; a dead one's at once)
 _IDLE_WAIT_S = 0.5
 _UNREADABLE_RETRY_S = 3600.0
+_REFUSED_RETRY_S = 300.0  # a chunk the store refused on its own (a 4xx of its own), while the others go on
 # The hold with the node's own embedded server: nothing but this node reads its bucket, so a late upload costs
 # nothing; the quarter-of-the-cache rule bounds what waits.
 OWN_SERVER_HOLD_S = 60.0
@@ -55,6 +65,7 @@ class _Outcome(enum.Enum):
     GONE = "gone"  # evicted after we claimed it, before we read it
     DAMAGED = "damaged"  # the NVMe copy fails its check: never uploaded
     UNREADABLE = "unreadable"  # written by a newer kvstore on this node: left for an agent that can check it
+    REFUSED = "refused"  # the store refused this object alone: retried later, the store stays in use
 
 
 class Uploader:
@@ -140,6 +151,8 @@ class Uploader:
                 self._cache.forget(chunk.key, chunk.path)  # an entry naming the vanished file goes too
         if by_outcome[_Outcome.UNREADABLE]:
             self._cache.finish_uploads((), by_outcome[_Outcome.UNREADABLE], retry_in_s=_UNREADABLE_RETRY_S)
+        if by_outcome[_Outcome.REFUSED]:
+            self._cache.finish_uploads((), by_outcome[_Outcome.REFUSED], retry_in_s=_REFUSED_RETRY_S)
         deferred = by_outcome[_Outcome.DEFERRED]
         # A chunk that left the cache while claimed waited on this upload: the index settles it, uploaded
         # or lost, and counts what is lost once for the node.
@@ -148,8 +161,8 @@ class Uploader:
             by_outcome[_Outcome.UPLOADED], deferred, retry_in_s=self._cooldown, gone=gone
         )
         count_removals(self._cache, self._metrics)
-        if deferred:
-            self._metrics.upload_retries.inc(len(deferred))
+        if deferred or by_outcome[_Outcome.REFUSED]:
+            self._metrics.upload_retries.inc(len(deferred) + len(by_outcome[_Outcome.REFUSED]))
         return any(o is _Outcome.UPLOADED for o in outcomes)
 
     def _one(self, located: CachedChunk) -> _Outcome:
@@ -170,9 +183,13 @@ class Uploader:
         except CacheError as exc:
             nvme_copy_corrupt(self._cache, located.key, str(exc), self._metrics, path=located.path)
             return _Outcome.DAMAGED
-        except StoreError as exc:
+        except (StoreUnavailable, StoreAuthError, BucketNotFound) as exc:  # the store as a whole
             self._breaker.failed("put", exc)
             return _Outcome.DEFERRED
+        except StoreError as exc:  # this object alone (a 4xx of its own): the rest of the journal goes on
+            log.warning("the store refused queued chunk %s (%s): tried again later", located.key, exc)
+            self._metrics.store_errors.labels("put").inc()
+            return _Outcome.REFUSED
         self._breaker.succeeded()
         self._metrics.write_seconds.labels("object").observe(time.perf_counter() - start)
         self._metrics.write_bytes.labels("object").inc(sent)

@@ -4,6 +4,7 @@ of its own (lock, priority, start, stop) is `test_supervisor`'s."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +19,7 @@ from kvstore.cache import NVMeCache
 from kvstore.chunk import HEADER_BLOCK
 from kvstore.engine import EngineThreads, Presence, TieredStore
 from kvstore.engine.node_counters import counter_name
-from kvstore.errors import CacheError
+from kvstore.errors import CacheError, StoreError
 from kvstore.metrics import EngineMetrics
 from kvstore.stores import MemoryStore, ObjectStore
 from tests.cache_helpers import cached_keys, locate
@@ -304,6 +305,45 @@ def test_an_index_error_in_the_agents_periodic_work_does_not_stop_it(
     assert engine.store_many([(k, payload(i)) for i, k in enumerate(names)]).written == 2
     wait_for(lambda: all(store.exists_many(names)), what="the uploads after the failures")
     assert agent.running
+
+
+class RefusingStore(MemoryStore):
+    """A real in-memory store that refuses one object with an error of its own (as S3 answers a 4xx about
+    one request), every time."""
+
+    def __init__(self, refused: str) -> None:
+        super().__init__()
+        self.refused = refused
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        if key == self.refused:
+            raise StoreError(f"PUT {key!r}: HTTP 400 InvalidRequest")
+        super().put(key, data)
+
+
+def test_one_chunk_the_store_refuses_never_holds_up_the_rest(
+    cache: NVMeCache,
+    metrics: EngineMetrics,
+    make_engine: MakeEngine,
+    start_agent: StartAgent,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The oldest chunk in the journal is refused by the store, alone: it waits for a later try, the others
+    are uploaded, and the store is never taken for down (before: every round, it opened the node-wide
+    breaker, and the journal behind it crawled at a batch per cooldown)."""
+    names = keys(24, "behind-a-refused-one")
+    store = RefusingStore(names[0])
+    engine = make_engine(store, cache, metrics)
+    assert engine.store_many([(k, payload(i)) for i, k in enumerate(names)]).written == 24
+    agent_metrics = EngineMetrics(CollectorRegistry())
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        start_agent(cache, store, agent_metrics, upload_workers=2)
+        wait_for(lambda: all(store.exists_many(names[1:])), what="the uploads of the others")
+    assert cache.backlog().chunks == 1, "the refused one waits"
+    assert sample(agent_metrics, "kvstore:upload_retries_total") == 1
+    assert sample(agent_metrics, "kvstore:object_store_errors_total", op="put") == 1
+    assert "refused queued chunk" in caplog.text
+    assert "serving from NVMe" not in caplog.text, "the store was never taken for down"
 
 
 def test_one_agent_per_cache_directory(cache: NVMeCache, start_agent: StartAgent) -> None:
