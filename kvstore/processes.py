@@ -6,6 +6,7 @@ markers, the node agent's status, GC's lease), these decide whether that process
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 from pathlib import Path
@@ -38,6 +39,16 @@ def state(pid: int) -> str | None:
     if the process is gone or unreadable."""
     fields = _stat_fields(pid)
     return None if fields is None else fields[0]
+
+
+@functools.cache
+def pid_namespace() -> str | None:
+    """This process's PID namespace as /proc names it ("pid:[4026531836]"), None if unreadable: a pid means
+    a process only in the namespace it was taken in."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 def start_time(pid: int) -> str | None:

@@ -1,8 +1,10 @@
 """The engines on a cache directory, and the one object store they and their agent serve.
 
 ``engines/<pid>`` is one file per engine process using the cache, holding the start time of that process
-(a reused pid is not taken for it) and the identity of its store (`store_identity`). An agent that an engine
-started exits once none of them is alive and nothing waits for upload.
+(a reused pid is not taken for it), its PID namespace and the identity of its store (`store_identity`). An
+agent that an engine started exits once none of them is alive and nothing waits for upload. A pid names a
+process only in its own namespace: an engine registered from another one (another container without a
+shared PID namespace) is taken for alive, and its marker left for that namespace's processes to judge.
 
 A node's engines and its agent must agree on the store: the agent uploads every engine's chunks to *its*
 bucket and makes the node's pins follow *its* manifests, so an engine configured for another bucket would
@@ -24,7 +26,7 @@ from kvstore.config import Settings
 from kvstore.errors import ConfigError
 from kvstore.node.agent_files import agent_status
 from kvstore.node.private import PRIVATE_FILE, private_dir
-from kvstore.processes import alive, start_time
+from kvstore.processes import alive, pid_namespace, start_time
 
 __all__ = [
     "ENGINES_DIR",
@@ -63,9 +65,10 @@ def register_engine(cache_dir: str | os.PathLike[str], store: str | None = None)
     with _registry_lock(folder):
         if store is not None:
             check_agreement(cache_dir, store, what="this engine")
+        record = {"process_start": start_time(os.getpid()), "pid_namespace": pid_namespace(), "store": store}
         fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
         with os.fdopen(fd, "w") as f:
-            json.dump({"process_start": start_time(os.getpid()), "store": store}, f)
+            json.dump(record, f)
     return marker
 
 
@@ -111,27 +114,27 @@ def _engines(directory: Path) -> Iterator[tuple[int, str | None]]:
         if not marker.name.isdigit():
             continue
         pid = int(marker.name)
-        started, store = _read_marker(marker)
-        if alive(pid) and (started is None or started == start_time(pid)):
+        started, namespace, store = _read_marker(marker)
+        if namespace is not None and namespace != pid_namespace():
+            yield pid, store  # not ours to judge by its pid
+        elif alive(pid) and (started is None or started == start_time(pid)):
             yield pid, store
         else:
             with contextlib.suppress(FileNotFoundError):
                 marker.unlink()
 
 
-def _read_marker(marker: Path) -> tuple[str | None, str | None]:
-    """(process start, store) from a marker; an older release's empty marker says neither."""
+def _read_marker(marker: Path) -> tuple[str | None, str | None, str | None]:
+    """(process start, PID namespace, store) from a marker; an older release's says less, or nothing."""
     try:
         record = json.loads(marker.read_bytes()[:4096] or b"{}")
     except (OSError, ValueError):
-        return None, None
+        return None, None, None
     if not isinstance(record, dict):
-        return None, None
-    started, store = record.get("process_start"), record.get("store")
-    return (
-        started if isinstance(started, str) else None,
-        store if isinstance(store, str) else None,
-    )
+        return None, None, None
+    fields = (record.get("process_start"), record.get("pid_namespace"), record.get("store"))
+    started, namespace, store = (value if isinstance(value, str) else None for value in fields)
+    return started, namespace, store
 
 
 @contextlib.contextmanager
