@@ -281,13 +281,13 @@ class NodeAgent:
 
     def _take(self, hints: Hints, work: _Work) -> None:
         self.hints_received += 1
-        if hints.touched:
-            self.cache.touch(hints.touched)
         if work.access is not None:
             work.access.record(hints.touched)
             work.access.record(hints.stored)
         if hints.stored and work.uploader is not None:
             work.uploader.kick()
+        if hints.touched:  # last: an index error here costs the touches alone
+            self.cache.touch(hints.touched)
 
     def _idle_long_enough(self, idle_since: float | None, now: float) -> bool:
         """Whether no engine has used the cache for ``exit_when_idle_s`` (said in the log when so)."""
