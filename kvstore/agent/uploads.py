@@ -62,6 +62,7 @@ _ROOM_WINDOW_S = 0.1
 class _Outcome(enum.Enum):
     UPLOADED = "uploaded"
     DEFERRED = "deferred"  # the store failed: retry after the cooldown
+    WAITED = "waited"  # not tried: the store failed earlier in the round (retried with the deferred ones)
     GONE = "gone"  # evicted after we claimed it, before we read it
     DAMAGED = "damaged"  # the NVMe copy fails its check: never uploaded
     UNREADABLE = "unreadable"  # written by a newer kvstore on this node: left for an agent that can check it
@@ -107,6 +108,8 @@ class Uploader:
             try:
                 if self._hold_ns:
                     self._wait_for_room()
+                    if self._stopping.is_set():
+                        return  # no round more once asked to stop
                 worked = self._round()
             except CacheClosed:
                 return  # shut down under us
@@ -153,7 +156,7 @@ class Uploader:
             self._cache.finish_uploads((), by_outcome[_Outcome.UNREADABLE], retry_in_s=_UNREADABLE_RETRY_S)
         if by_outcome[_Outcome.REFUSED]:
             self._cache.finish_uploads((), by_outcome[_Outcome.REFUSED], retry_in_s=_REFUSED_RETRY_S)
-        deferred = by_outcome[_Outcome.DEFERRED]
+        deferred = by_outcome[_Outcome.DEFERRED] + by_outcome[_Outcome.WAITED]
         # A chunk that left the cache while claimed waited on this upload: the index settles it, uploaded
         # or lost, and counts what is lost once for the node.
         gone = by_outcome[_Outcome.GONE] + by_outcome[_Outcome.DAMAGED]
@@ -161,13 +164,14 @@ class Uploader:
             by_outcome[_Outcome.UPLOADED], deferred, retry_in_s=self._cooldown, gone=gone
         )
         count_removals(self._cache, self._metrics)
-        if deferred or by_outcome[_Outcome.REFUSED]:
-            self._metrics.upload_retries.inc(len(deferred) + len(by_outcome[_Outcome.REFUSED]))
+        retried = len(by_outcome[_Outcome.DEFERRED]) + len(by_outcome[_Outcome.REFUSED])
+        if retried:  # PUTs (or reads) tried and failed, not the chunks that waited behind them
+            self._metrics.upload_retries.inc(retried)
         return any(o is _Outcome.UPLOADED for o in outcomes)
 
     def _one(self, located: CachedChunk) -> _Outcome:
         if not self._breaker.available():
-            return _Outcome.DEFERRED
+            return _Outcome.WAITED
         start = time.perf_counter()
         try:
             sent = io.upload(self._cache, self._store, located)

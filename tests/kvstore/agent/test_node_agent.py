@@ -19,7 +19,7 @@ from kvstore.cache import NVMeCache
 from kvstore.chunk import HEADER_BLOCK
 from kvstore.engine import EngineThreads, Presence, TieredStore
 from kvstore.engine.node_counters import counter_name
-from kvstore.errors import CacheError, StoreError
+from kvstore.errors import CacheError, StoreError, StoreUnavailable
 from kvstore.metrics import EngineMetrics
 from kvstore.stores import MemoryStore, ObjectStore
 from tests.cache_helpers import cached_keys, locate
@@ -319,6 +319,35 @@ class RefusingStore(MemoryStore):
         if key == self.refused:
             raise StoreError(f"PUT {key!r}: HTTP 400 InvalidRequest")
         super().put(key, data)
+
+
+class DownStore(MemoryStore):
+    """A real in-memory store whose PUTs all fail as a store that is down fails them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.puts = 0
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        self.puts += 1
+        raise StoreUnavailable(f"PUT {key!r}: connection refused")
+
+
+def test_upload_retries_count_the_puts_that_failed_not_the_chunks_behind_them(
+    cache: NVMeCache, metrics: EngineMetrics, make_engine: MakeEngine, start_agent: StartAgent
+) -> None:
+    """The first PUT of a round fails and the breaker opens: the chunks behind it wait for the cooldown
+    without a PUT, and are not counted as retried (before: all of them were)."""
+    store = DownStore()
+    engine = make_engine(store, cache, metrics)
+    names = keys(6, "behind-a-failure")
+    assert engine.store_many([(k, payload(i)) for i, k in enumerate(names)]).written == 6
+    agent_metrics = EngineMetrics(CollectorRegistry())
+    start_agent(cache, store, agent_metrics, upload_workers=1, cooldown=60.0)
+    retries = "kvstore:upload_retries_total"
+    wait_for(lambda: sample(agent_metrics, retries) >= 1, what="the first round")
+    assert sample(agent_metrics, retries) == store.puts == 1
+    assert cache.backlog().chunks == 6
 
 
 def test_one_chunk_the_store_refuses_never_holds_up_the_rest(

@@ -94,6 +94,20 @@ def test_with_no_room_uploads_wait_then_go_when_the_cpus_have_room(
         wait_for(lambda: all(s3_store.exists_many(names)), timeout=20, what="the uploads once there is room")
 
 
+def test_an_uploader_asked_to_stop_while_held_uploads_nothing_more(
+    tmp_path: Path, s3_store: ObjectStore
+) -> None:
+    """Stopping ends the wait for room, and no round follows it (before: a whole round of uploads ran after
+    the stop, delaying the agent's exit by as long as its PUTs took)."""
+    room = SetRoom(False)
+    names = keys(4, "stopped-while-held")
+    with stored(tmp_path, s3_store, names) as (cache, metrics):
+        with uploading(cache, s3_store, metrics, hold_s=600.0, room=room):
+            wait_for(lambda: room.looks >= 2, what="the uploader to look at the CPUs")
+        assert not any(s3_store.exists_many(names))
+        assert cache.backlog().chunks == 4
+
+
 def test_no_chunk_waits_longer_than_the_hold(tmp_path: Path, s3_store: ObjectStore) -> None:
     """The CPUs never have room: each chunk still reaches the bucket once it has waited `hold_s`."""
     names = keys(4, "overdue")
