@@ -268,9 +268,14 @@ class NVMeCache:
 
     def forget(self, key: str, path: str) -> None:
         """Drop `key`'s entry if it still names the file at `path`, which a reader found missing or torn."""
-        entry = self._index.get(key)
-        if entry is not None and self._files.path_str(key, entry.token) == path:
+        entry = self._entry_naming(key, path)
+        if entry is not None:
             self._drop_stale(key, entry)
+
+    def _entry_naming(self, key: str, path: str) -> Entry | None:
+        """`key`'s entry if it still names the file at `path` (not one stored again since)."""
+        entry = self._index.get(key)
+        return entry if entry is not None and self._files.path_str(key, entry.token) == path else None
 
     def contains_many(self, keys: Iterable[str]) -> list[bool]:
         """Presence of each key, from one index snapshot. Does not count as a touch."""
@@ -367,13 +372,11 @@ class NVMeCache:
     def discard(self, key: str, *, path: str | None = None) -> bool:
         """Remove ``key`` (e.g. its checksum failed); with ``path``, only while its entry still names that
         file (a copy stored again since is another file, and stays). True if it was removed."""
-        token = None
-        if path is not None:
-            held = self._index.get(key)
-            if held is None or self._files.path_str(key, held.token) != path:
-                return False
-            token = held.token
-        entry = self._index.remove(key, token, reason="discarded")
+        if path is None:
+            entry = self._index.remove(key, reason="discarded")
+        else:
+            held = self._entry_naming(key, path)
+            entry = None if held is None else self._index.remove(key, held.token, reason="discarded")
         if entry is None:
             return False
         self._unlink([(key, entry)])
